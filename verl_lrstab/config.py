@@ -1,0 +1,148 @@
+"""Options of the ``length_surge`` scheduler (pure: no verl, no torch).
+
+In a verl config they live under ``actor_rollout_ref.actor.optim.length_surge``;
+left unset, they reproduce arXiv 2602.01826 (period factor 1.8, halving, floor
+0.1 x the initial LR, halvings counted from the start of training).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Optional
+
+SCHEDULER_NAME = "length_surge"
+ORIGINS = ("start", "surge")
+TRIGGERS = ("length", "mismatch", "either")
+
+# The keys a user may set under ``length_surge``; used to word errors.
+_KEY_PREFIX = "actor_rollout_ref.actor.optim.length_surge"
+
+
+@dataclass
+class LengthSurgeConfig:
+    """Configuration of the response-length-surge LR decay.
+
+    Schedule (``lr(t) = lr0 * max(min_lr_ratio, gamma ** n(t))``, t = actor update, 1-based):
+
+    Args:
+        period_factor (float): ``P = round(period_factor * t_surge)``. Default 1.8 (the paper).
+        gamma (float): multiplicative decay per period, in (0, 1). Default 0.5 (halving).
+        min_lr_ratio (float): the floor, as a fraction of the initial LR, in (0, 1]. Default 0.1.
+        origin (str): where the halvings are counted from. ``"start"`` (default, the paper as
+            read by public write-ups): ``n(t) = t // P``, so the first decay comes at ``P``,
+            well after the surge. ``"surge"``: the first decay applies to the first update
+            after the surge is seen, then one more every ``P`` updates; for runs where the
+            collapse follows the surge within a few steps.
+        decay_period (int | None): fixed period for the paper's two-run workflow. When set,
+            the decay follows it from the start (``origin`` is ignored) and the detector only
+            reports. Default None (the period comes from the detected surge).
+        trigger (str): what starts the decay: ``"length"`` (default, the paper), ``"mismatch"``
+            (the mismatch KL exceeds its budget) or ``"either"`` (whichever fires first).
+        skip_first_steps (int): updates ignored by the detector (warmup, format learning).
+            Default 10.
+        fast_window (int): span in steps of the median that gives the current length level.
+            Default 5: a single long batch cannot move it.
+        horizon (int): how many steps back the baseline is taken; a rise must happen within
+            about this span to count as a surge. Default 30 (healthy growth of up to ~1.5x
+            over 100+ steps gives a ratio of ~1.15 over 30 steps; a surge of 1.8x-4x within
+            20-40 steps gives 1.5 and more).
+        baseline_window (int): span in steps of the median that gives the baseline. Default 10.
+        ratio_threshold (float): the surge condition: current level >= ratio_threshold x
+            baseline. Default 1.5, must be > 1.
+        patience (int): consecutive observations that must meet the condition. Default 3.
+        max_surges (int): how many surges the detector reports per run. Default 1. The
+            schedule always follows the first one; later ones are only reported.
+        mismatch_budget (float | None): fixed budget on the mismatch KL for the mismatch
+            trigger. Default None: calibrated from the run's own early steps.
+        mismatch_budget_factor (float): calibrated budget = factor x median mismatch KL over
+            ``mismatch_calibration_steps`` valid steps after ``skip_first_steps``. Default 4.0.
+        mismatch_calibration_steps (int): steps used to calibrate the budget. Default 10.
+        mismatch_metric (str): which mismatch figure the trigger watches. Default ``"k3"``.
+    """
+
+    period_factor: float = 1.8
+    gamma: float = 0.5
+    min_lr_ratio: float = 0.1
+    origin: str = "start"
+    decay_period: Optional[int] = None
+    trigger: str = "length"
+    skip_first_steps: int = 10
+    fast_window: int = 5
+    horizon: int = 30
+    baseline_window: int = 10
+    ratio_threshold: float = 1.5
+    patience: int = 3
+    max_surges: int = 1
+    mismatch_budget: Optional[float] = None
+    mismatch_budget_factor: float = 4.0
+    mismatch_calibration_steps: int = 10
+    mismatch_metric: str = "k3"
+
+    def __post_init__(self):
+        _check(_positive(self.period_factor), "period_factor", self.period_factor, "a number > 0")
+        _check(0.0 < _num(self.gamma) < 1.0, "gamma", self.gamma, "a number in (0, 1)")
+        _check(0.0 < _num(self.min_lr_ratio) <= 1.0, "min_lr_ratio", self.min_lr_ratio, "a number in (0, 1]")
+        _check(self.origin in ORIGINS, "origin", self.origin, f"one of {list(ORIGINS)}")
+        if self.decay_period is not None:
+            _check(_int(self.decay_period) and self.decay_period >= 1, "decay_period", self.decay_period,
+                   "null or an integer >= 1")
+        _check(self.trigger in TRIGGERS, "trigger", self.trigger, f"one of {list(TRIGGERS)}")
+        _check(_int(self.skip_first_steps) and self.skip_first_steps >= 0, "skip_first_steps",
+               self.skip_first_steps, "an integer >= 0")
+        for key in ("fast_window", "horizon", "baseline_window", "patience", "max_surges",
+                    "mismatch_calibration_steps"):
+            value = getattr(self, key)
+            _check(_int(value) and value >= 1, key, value, "an integer >= 1")
+        _check(_num(self.ratio_threshold) > 1.0, "ratio_threshold", self.ratio_threshold, "a number > 1")
+        if self.mismatch_budget is not None:
+            _check(_positive(self.mismatch_budget), "mismatch_budget", self.mismatch_budget,
+                   "null or a number > 0")
+        _check(_positive(self.mismatch_budget_factor), "mismatch_budget_factor",
+               self.mismatch_budget_factor, "a number > 0")
+        _check(self.mismatch_metric in ("k1", "k3"), "mismatch_metric", self.mismatch_metric, "one of ['k1', 'k3']")
+
+    @classmethod
+    def from_dict(cls, options: Optional[Mapping[str, Any]]) -> "LengthSurgeConfig":
+        """Build from a mapping (a YAML node); unknown keys raise ``ValueError`` listing the known ones."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, Mapping):
+            raise ValueError(f"{_KEY_PREFIX} must be a mapping of options, got {type(options).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(k for k in options if k not in known and not str(k).startswith("_"))
+        if unknown:
+            raise ValueError(f"unknown key(s) {[f'{_KEY_PREFIX}.{k}' for k in unknown]}; allowed keys: {known}")
+        return cls(**{k: v for k, v in options.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def detector_kwargs(self) -> dict:
+        """The arguments of :class:`verl_lrstab.detector.SurgeDetector`."""
+        keys = ("skip_first_steps", "fast_window", "horizon", "baseline_window", "ratio_threshold",
+                "patience", "max_surges")
+        return {k: getattr(self, k) for k in keys}
+
+
+def _num(value) -> float:
+    # bool is an int in Python; a YAML `true` is never a sensible factor.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    return float(value)
+
+
+def _positive(value) -> bool:
+    v = _num(value)
+    return math.isfinite(v) and v > 0
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, key: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{_KEY_PREFIX}.{key}={value!r} is invalid: allowed values are {allowed}")

@@ -1,0 +1,225 @@
+"""The paper's decay rule: small pure functions and the schedule's state (pure Python).
+
+Conventions (the same as verl's): ``u`` is the 1-based index of an actor update
+(verl's global step when every step updates the actor). The torch scheduler's
+``last_epoch`` counts completed updates, so while update ``u`` runs,
+``last_epoch == u - 1`` and the LR in force is::
+
+    lr0 * warmup_scale(u - 1, W) * decay_scale(u, ...)
+
+verl logs ``actor/lr`` after stepping the scheduler, i.e. the LR of the next update.
+The torch scheduler that wraps this lives in :mod:`verl_lrstab.scheduler`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Union
+
+from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.detector import SurgeDetector
+
+logger = logging.getLogger("verl_lrstab")
+
+
+# -- the rule as small pure functions (cf. transformers/optimization.py) ----------------------
+def decay_period_from_surge(surge_step: int, period_factor: float = 1.8) -> int:
+    """``P = round(period_factor * surge_step)`` (half up), at least 1. Paper: 110 -> 198."""
+    return max(1, int(math.floor(period_factor * surge_step + 0.5)))
+
+
+def num_decays(update: int, period: Optional[int], origin: str = "start", surge_step: Optional[int] = None) -> int:
+    """How many times the LR has been multiplied by ``gamma`` when update ``update`` runs.
+
+    ``origin="start"``: ``update // period``. ``origin="surge"``: 0 up to the surge's own
+    update, 1 from the next update on, then one more every ``period`` updates.
+    """
+    if period is None:
+        return 0
+    if origin == "surge" and surge_step is not None:
+        return 0 if update <= surge_step else 1 + (update - surge_step - 1) // period
+    return max(0, update) // period
+
+
+def decay_scale(update: int, period: Optional[int], gamma: float = 0.5, min_lr_ratio: float = 0.1,
+                origin: str = "start", surge_step: Optional[int] = None) -> float:
+    """``max(min_lr_ratio, gamma ** n)`` with ``n = num_decays(...)``; 1.0 before any decay."""
+    n = num_decays(update, period, origin, surge_step)
+    return 1.0 if n == 0 else max(min_lr_ratio, gamma**n)
+
+
+def warmup_scale(completed_updates: int, warmup_steps: int) -> float:
+    """verl's constant-with-warmup factor (``get_constant_schedule_with_warmup``)."""
+    if completed_updates < warmup_steps:
+        return float(completed_updates) / float(max(1, warmup_steps))
+    return 1.0
+
+
+# -- the schedule's state, pure (shared by the trainer and `lrstab replay`) -------------------
+class LengthSurgeSchedule:
+    """Detector(s) + decay rule. One ``observe`` per actor update, then ``scale(...)``.
+
+    Args:
+        config (LengthSurgeConfig | Mapping | None): options; None gives the paper's defaults.
+        warmup_steps (int): verl's LR warmup (``optim.lr_warmup_steps``, resolved). Default 0.
+    """
+
+    def __init__(self, config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None, warmup_steps: int = 0):
+        self.config = LengthSurgeConfig.from_dict(config)
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
+        self.detector = SurgeDetector(**self.config.detector_kwargs())
+        self.mismatch_trigger = _make_mismatch_trigger(self.config)
+        self.trigger_step: Optional[int] = None  # the update that started the decay
+        self.trigger_source: Optional[str] = None  # "length" or "mismatch"
+        self.response_length = math.nan  # last value consumed
+        self.mismatch_kl = math.nan
+
+    @property
+    def surge_step(self) -> Optional[int]:
+        return self.detector.surge_step
+
+    @property
+    def decay_period(self) -> Optional[int]:
+        if self.config.decay_period is not None:
+            return self.config.decay_period
+        if self.trigger_step is None:
+            return None
+        return decay_period_from_surge(self.trigger_step, self.config.period_factor)
+
+    def observe(self, update: int, response_length: Optional[float] = None,
+                mismatch_kl: Optional[float] = None) -> bool:
+        """Feed the figures of update ``update``; return True if the decay is triggered now."""
+        self.response_length = _as_float(response_length)
+        self.mismatch_kl = _as_float(mismatch_kl)
+        length_fired = self.detector.update(update, response_length)
+        mismatch_fired = False
+        if self.mismatch_trigger is not None and mismatch_kl is not None:
+            mismatch_fired = self.mismatch_trigger.update(update, mismatch_kl)
+        if self.trigger_step is not None:
+            return False
+        source = None
+        if length_fired and self.config.trigger in ("length", "either"):
+            source = "length"
+        elif mismatch_fired and self.config.trigger in ("mismatch", "either"):
+            source = "mismatch"
+        if source is None:
+            return False
+        self.trigger_step, self.trigger_source = update, source
+        logger.warning("verl_lrstab: %s surge at update %d; decay period %s, origin %s", source, update,
+                       self.decay_period, self.config.origin)
+        return True
+
+    def decay_scale(self, update: int) -> float:
+        """The decay multiplier in force while update ``update`` runs."""
+        cfg = self.config
+        origin = "start" if cfg.decay_period is not None else cfg.origin
+        return decay_scale(update, self.decay_period, cfg.gamma, cfg.min_lr_ratio, origin, self.trigger_step)
+
+    def scale(self, completed_updates: int) -> float:
+        """LR / initial LR once ``completed_updates`` updates are done (for the next update)."""
+        return warmup_scale(completed_updates, self.warmup_steps) * self.decay_scale(completed_updates + 1)
+
+    def state_dict(self) -> dict:
+        state = {
+            "detector": self.detector.state_dict(),
+            "trigger_step": self.trigger_step,
+            "trigger_source": self.trigger_source,
+            "response_length": self.response_length,
+            "mismatch_kl": self.mismatch_kl,
+        }
+        if self.mismatch_trigger is not None:
+            state["mismatch_trigger"] = self.mismatch_trigger.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.detector.load_state_dict(state["detector"])
+        self.trigger_step = state["trigger_step"]
+        self.trigger_source = state["trigger_source"]
+        self.response_length = state.get("response_length", math.nan)
+        self.mismatch_kl = state.get("mismatch_kl", math.nan)
+        if self.mismatch_trigger is not None and "mismatch_trigger" in state:
+            self.mismatch_trigger.load_state_dict(state["mismatch_trigger"])
+
+    def metrics(self, completed_updates: int) -> dict:
+        """Figures for verl's logger (keys documented in the README); no value is invented."""
+        out = {
+            "lrstab/surge_step": -1 if self.surge_step is None else self.surge_step,
+            "lrstab/trigger_step": -1 if self.trigger_step is None else self.trigger_step,
+            "lrstab/decay_period": -1 if self.decay_period is None else self.decay_period,
+            "lrstab/lr_scale": self.scale(completed_updates),
+            "lrstab/skipped_steps": self.detector.num_skipped,
+        }
+        for key, value in (("response_length", self.response_length), ("baseline", self.detector.baseline),
+                           ("ratio", self.detector.ratio), ("level", self.detector.level)):
+            if math.isfinite(value):
+                out[f"lrstab/{key}"] = value
+        if self.mismatch_trigger is not None and self.mismatch_trigger.budget is not None:
+            out["lrstab/mismatch_budget"] = self.mismatch_trigger.budget
+        return out
+
+
+def _make_mismatch_trigger(config: LengthSurgeConfig):
+    if config.trigger == "length":
+        return None
+    from verl_lrstab.mismatch_trigger import MismatchTrigger
+
+    return MismatchTrigger(
+        budget=config.mismatch_budget,
+        budget_factor=config.mismatch_budget_factor,
+        calibration_steps=config.mismatch_calibration_steps,
+        skip_first_steps=config.skip_first_steps,
+        patience=config.patience,
+    )
+
+
+def _as_float(value) -> float:
+    try:
+        return float(value) if value is not None else math.nan
+    except (TypeError, ValueError):
+        return math.nan
+
+
+# -- offline replay: the same code over a logged run ------------------------------------------
+@dataclass
+class ReplayResult:
+    """What the scheduler would have done on a logged run.
+
+    ``lr_scale[i]`` is the multiplier of the initial LR in force at ``steps[i]`` (used by the
+    update of that step); ``surge_step`` is the logged step at which the detector fired.
+    """
+
+    surge_step: Optional[int]
+    decay_period: Optional[int]
+    steps: list = field(default_factory=list)
+    lr_scale: list = field(default_factory=list)
+    baseline: list = field(default_factory=list)
+    ratio: list = field(default_factory=list)
+    trigger_step: Optional[int] = None
+
+
+def replay(steps: Iterable[int], values: Iterable[Optional[float]],
+           config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None, warmup_steps: int = 0,
+           mismatch_kl: Optional[Iterable[Optional[float]]] = None) -> ReplayResult:
+    """Feed a logged series (step numbers as logged) through :class:`LengthSurgeSchedule`."""
+    steps = [int(s) for s in steps]
+    values = list(values)
+    if len(steps) != len(values):
+        raise ValueError(f"steps and values differ in length: {len(steps)} != {len(values)}")
+    kls = list(mismatch_kl) if mismatch_kl is not None else [None] * len(steps)
+    schedule = LengthSurgeSchedule(config, warmup_steps=warmup_steps)
+    result = ReplayResult(surge_step=None, decay_period=None)
+    for step, value, kl in zip(steps, values, kls):
+        result.steps.append(step)
+        # In force at `step`: decided before this step's own figures are seen.
+        result.lr_scale.append(warmup_scale(step - 1, warmup_steps) * schedule.decay_scale(step))
+        schedule.observe(step, value, kl)
+        result.baseline.append(schedule.detector.baseline)
+        result.ratio.append(schedule.detector.ratio)
+    result.surge_step = schedule.surge_step
+    result.trigger_step = schedule.trigger_step
+    result.decay_period = schedule.decay_period
+    return result

@@ -1,0 +1,120 @@
+"""``LengthSurgeLR``: the torch ``LRScheduler`` verl's FSDP engine steps once per actor update."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional, Union
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.schedule import LengthSurgeSchedule
+
+logger = logging.getLogger("verl_lrstab")
+
+
+class LengthSurgeLR(LRScheduler):
+    """Decay the LR when the mean response length surges (arXiv 2602.01826).
+
+    Shaped like ``ReduceLROnPlateau``: call ``step(response_length)`` once per actor update,
+    after ``optimizer.step()``. ``lr = lr0 * warmup * max(min_lr_ratio, gamma ** n)``.
+
+    Args:
+        optimizer (Optimizer): wrapped optimizer.
+        config (LengthSurgeConfig | Mapping | None): options (see ``LengthSurgeConfig``);
+            None gives the paper's defaults.
+        warmup_steps (int): linear warmup from 0, as verl's constant schedule. Default 0.
+        last_epoch (int): the index of the last completed update; -1 (default) to start.
+
+    The verl glue sets :attr:`pending_response_length` (and :attr:`pending_mismatch_kl`)
+    before verl's engine calls ``step()`` without arguments; explicit arguments win.
+
+    Example:
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        >>> sched = LengthSurgeLR(opt, {"origin": "surge"})
+        >>> for batch in batches:
+        ...     train(batch); opt.step()
+        ...     sched.step(batch_mean_response_length)
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None,
+        warmup_steps: int = 0,
+        last_epoch: int = -1,
+    ):
+        self.schedule = LengthSurgeSchedule(config, warmup_steps=warmup_steps)
+        self.pending_response_length: Optional[float] = None
+        self.pending_mismatch_kl: Optional[float] = None
+        # The LR the run was configured with, before a checkpoint may restore another one.
+        self._configured_lrs = [group["lr"] for group in optimizer.param_groups]
+        super().__init__(optimizer, last_epoch)
+
+    @property
+    def config(self) -> LengthSurgeConfig:
+        return self.schedule.config
+
+    @property
+    def surge_step(self) -> Optional[int]:
+        return self.schedule.surge_step
+
+    @property
+    def decay_period(self) -> Optional[int]:
+        return self.schedule.decay_period
+
+    def step(self, response_length: Optional[float] = None, mismatch_kl: Optional[float] = None) -> None:
+        """Advance one actor update.
+
+        Args:
+            response_length (float | None): the update's batch mean response length (verl's
+                ``response_length/mean``). None or NaN is skipped with a warning.
+            mismatch_kl (float | None): the update's mismatch KL, for ``trigger: mismatch|either``.
+        """
+        if not self._is_initial:
+            if response_length is None:
+                response_length, self.pending_response_length = self.pending_response_length, None
+            if mismatch_kl is None:
+                mismatch_kl, self.pending_mismatch_kl = self.pending_mismatch_kl, None
+            self.schedule.observe(self.last_epoch + 1, response_length, mismatch_kl)
+        super().step()
+
+    def get_lr(self) -> list[float]:
+        scale = self.schedule.scale(self.last_epoch)
+        return [base_lr * scale for base_lr in self.base_lrs]
+
+    def lr_scale(self) -> float:
+        """LR / initial LR in force for the next update (what ``get_last_lr`` reflects)."""
+        return self.schedule.scale(self.last_epoch)
+
+    def metrics(self) -> dict:
+        """The ``lrstab/*`` figures of the last step (see the README for each key)."""
+        return self.schedule.metrics(self.last_epoch)
+
+    def state_dict(self) -> dict:
+        """Plain Python types only, so ``torch.load(weights_only=True)`` can read it."""
+        return {
+            "base_lrs": [float(lr) for lr in self.base_lrs],
+            "last_epoch": self.last_epoch,
+            "_step_count": self._step_count,
+            "_last_lr": [float(lr) for lr in self._last_lr],
+            "warmup_steps": self.schedule.warmup_steps,
+            "schedule": self.schedule.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the exact trajectory, including a surge seen before the checkpoint.
+
+        Like torch's schedulers (and upstream verl), the checkpoint's ``base_lrs`` win over a
+        changed ``optim.lr``; a warning says so.
+        """
+        base_lrs = [float(lr) for lr in state_dict["base_lrs"]]
+        if any(abs(a - b) > 1e-12 * max(abs(a), abs(b), 1.0) for a, b in zip(base_lrs, self._configured_lrs)):
+            logger.warning("verl_lrstab: resuming with the checkpoint's initial LR %s; the configured "
+                           "optim.lr %s is ignored (same as verl's stock schedulers)", base_lrs, self._configured_lrs)
+        self.base_lrs = base_lrs
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = int(state_dict["_step_count"])
+        self._last_lr = list(state_dict["_last_lr"])
+        self.schedule.load_state_dict(state_dict["schedule"])

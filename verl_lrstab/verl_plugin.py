@@ -1,0 +1,215 @@
+"""The only module that touches verl's internals (verl 0.9.x, FSDP engine).
+
+verl has no registry for LR schedulers, so three of its functions are wrapped, each
+the moment its module is first imported (``patches/README.md`` lists them with the
+reason and the check that they still apply):
+
+1. ``verl.workers.config.FSDPOptimizerConfig`` -> :class:`LengthSurgeOptimizerConfig`,
+   which accepts ``lr_scheduler_type: length_surge`` and its ``length_surge`` options.
+2. ``FSDPEngine._build_lr_scheduler``: builds :class:`LengthSurgeLR` for that name and
+   calls verl's own code for every other name.
+3. ``TrainingWorker.train_mini_batch``: before the update, computes the step's mean
+   response length over the whole global batch (all-reduced over the data-parallel
+   group, so every rank feeds its scheduler the same value); after it, adds the
+   ``lrstab/*`` figures to the metrics verl logs under ``actor/``.
+
+Nothing changes for a run that does not name ``length_surge``: the wrappers call verl's
+original code unless the engine holds a :class:`LengthSurgeLR`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import logging
+import math
+import sys
+import threading
+from typing import Callable
+
+from verl_lrstab.config import SCHEDULER_NAME
+
+logger = logging.getLogger("verl_lrstab")
+
+_lock = threading.Lock()
+_installed = False
+
+
+# -- installation ------------------------------------------------------------------------------
+def install() -> None:
+    """Wrap verl's functions now if their modules are loaded, else when they are imported."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+    when_imported("verl.workers.config", _patch_config)
+    when_imported("verl.workers.engine.fsdp.transformer_impl", _patch_engine)
+    when_imported("verl.workers.engine_workers", _patch_worker)
+
+
+def when_imported(name: str, hook: Callable) -> None:
+    """Run ``hook(module)`` right after module ``name`` executes (now if already imported)."""
+    if name in sys.modules and getattr(sys.modules[name], "__spec__", None) is not None:
+        module = sys.modules[name]
+        if not getattr(getattr(module, "__spec__", None), "_initializing", False):
+            hook(module)
+            return
+    sys.meta_path.insert(0, _PostImportFinder(name, hook))
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds ``name`` with the other finders, then runs ``hook`` after the module executes."""
+
+    def __init__(self, name: str, hook: Callable):
+        self.name, self.hook = name, hook
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, hook = spec.loader.exec_module, self.hook
+
+        def exec_then_patch(module):
+            exec_module(module)
+            hook(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+# -- 1. the config class -------------------------------------------------------------------------
+def _patch_config(module) -> None:
+    from verl_lrstab.verl_config import LengthSurgeOptimizerConfig
+
+    for mod in (module, sys.modules.get("verl.workers.config.optimizer")):
+        if mod is not None and getattr(mod, "FSDPOptimizerConfig", None) is not LengthSurgeOptimizerConfig:
+            mod.FSDPOptimizerConfig = LengthSurgeOptimizerConfig
+
+
+# -- 2. the engine builds our scheduler ------------------------------------------------------------
+def _patch_engine(module) -> None:
+    engine_cls = module.FSDPEngine
+    original = engine_cls._build_lr_scheduler
+    if getattr(original, "_lrstab_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def _build_lr_scheduler(self, optimizer):
+        optim_config = self.optimizer_config
+        if optim_config.lr_scheduler_type != SCHEDULER_NAME:
+            return original(self, optimizer)
+        return build_length_surge_scheduler(optimizer, optim_config, verbose=self.rank == 0)
+
+    _build_lr_scheduler._lrstab_wrapped = True
+    engine_cls._build_lr_scheduler = _build_lr_scheduler
+
+
+def build_length_surge_scheduler(optimizer, optim_config, verbose: bool = False):
+    """Build :class:`LengthSurgeLR` from verl's optimizer config, resolving warmup as verl does."""
+    from verl_lrstab.scheduler import LengthSurgeLR
+
+    warmup = optim_config.lr_warmup_steps
+    if warmup is None or warmup <= 0:
+        warmup = int(optim_config.lr_warmup_steps_ratio * optim_config.total_training_steps)
+    scheduler = LengthSurgeLR(optimizer, getattr(optim_config, "length_surge", None), warmup_steps=max(0, warmup))
+    if verbose:
+        print(f"verl_lrstab: length_surge scheduler, warmup {warmup} steps, options {scheduler.config.to_dict()}")
+    return scheduler
+
+
+# -- 3. the worker feeds the scheduler and reports its figures -------------------------------------
+def _patch_worker(module) -> None:
+    worker_cls = module.TrainingWorker
+    original = worker_cls.train_mini_batch
+    if getattr(original, "_lrstab_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def train_mini_batch(self, data):
+        scheduler = _length_surge_scheduler(self)
+        if scheduler is None:
+            return original(self, data)
+        scheduler.pending_response_length = global_mean_response_length(data, self.engine.get_data_parallel_group())
+        output = original(self, data)
+        return _with_metrics(output, scheduler.metrics())
+
+    train_mini_batch._lrstab_wrapped = True
+    worker_cls.train_mini_batch = train_mini_batch
+
+
+def _length_surge_scheduler(worker):
+    from verl_lrstab.scheduler import LengthSurgeLR
+
+    scheduler = getattr(getattr(worker, "engine", None), "lr_scheduler", None)
+    return scheduler if isinstance(scheduler, LengthSurgeLR) else None
+
+
+def response_lengths(data):
+    """Per-sample response token counts, as verl's ``response_length/*`` metrics count them.
+
+    V1 sends ``responses`` as a jagged tensor (verl logs ``responses.offsets().diff()``);
+    V0 sends left/right-padded ``attention_mask`` (verl logs ``attention_mask[:, -R:].sum(-1)``
+    with R the padded response width).
+    """
+    responses = data.get("responses", None) if hasattr(data, "get") else None
+    if responses is not None and getattr(responses, "is_nested", False):
+        return responses.offsets().diff()
+    attention_mask, response_mask = data.get("attention_mask", None), data.get("response_mask", None)
+    if attention_mask is not None and response_mask is not None and not attention_mask.is_nested:
+        width = response_mask.shape[-1]
+        return attention_mask[:, -width:].sum(-1)
+    if response_mask is not None:
+        if response_mask.is_nested:
+            return response_mask.offsets().diff()
+        return response_mask.sum(-1)
+    raise KeyError("verl_lrstab: the actor batch has neither 'responses', 'attention_mask' nor 'response_mask'; "
+                   f"cannot measure the response length (keys: {list(data.keys())})")
+
+
+def global_mean_response_length(data, dp_group=None) -> float:
+    """Mean response length over the global batch: local sums all-reduced over ``dp_group``."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        lengths = response_lengths(data)
+        local = torch.stack([lengths.sum().double(), torch.tensor(float(lengths.numel()), dtype=torch.float64)])
+    except Exception as exc:  # never fail a training step for a metric
+        logger.warning("verl_lrstab: could not measure the response length (%s); the step is skipped", exc)
+        local = torch.tensor([math.nan, 0.0], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        backend_device = _collective_device(dp_group)
+        reduced = local.to(backend_device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=dp_group)
+        local = reduced.cpu()
+    total, count = local.tolist()
+    return total / count if count > 0 else math.nan
+
+
+def _collective_device(group):
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend or "hccl" in backend:
+        from verl.utils.device import get_device_name
+
+        return torch.device(get_device_name(), torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return torch.device("cpu")
+
+
+def _with_metrics(output, extra: dict):
+    """Return verl's ``train_mini_batch`` output with ``extra`` added to its metrics."""
+    if output is None:  # ranks that do not report
+        return output
+    from verl.utils import tensordict_utils as tu
+
+    metrics = dict(tu.get(output, "metrics"))
+    for key, value in extra.items():
+        metrics[key] = [value]
+    return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
