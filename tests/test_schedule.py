@@ -1,0 +1,134 @@
+"""The decay rule, the schedule's state and replay (pure Python)."""
+
+import math
+
+import pytest
+
+from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.schedule import (
+    LengthSurgeSchedule,
+    decay_period_from_surge,
+    decay_scale,
+    num_decays,
+    replay,
+    warmup_scale,
+)
+
+
+def test_paper_example_origin_start():
+    # arXiv 2602.01826: surge at 110 -> P = 198; LR 1e-6 until 197, 5e-7 from 198,
+    # 2.5e-7 from 396. The write-ups say "1e-7 (the floor) from 594", but their own formula
+    # max(0.1, 0.5 ** (t // P)) gives 0.125 there and reaches the floor at 4 P = 792 (README).
+    period = decay_period_from_surge(110, 1.8)
+    assert period == 198
+    scale = {u: decay_scale(u, period, 0.5, 0.1) for u in (1, 110, 197, 198, 395, 396, 593, 594, 791, 792, 2000)}
+    assert scale == {1: 1.0, 110: 1.0, 197: 1.0, 198: 0.5, 395: 0.5, 396: 0.25, 593: 0.25, 594: 0.125,
+                     791: 0.125, 792: 0.1, 2000: 0.1}
+
+
+def test_origin_surge_decays_right_after_the_surge():
+    assert [num_decays(u, 20, "surge", surge_step=50) for u in (50, 51, 70, 71, 90, 91)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_no_period_no_decay():
+    assert decay_scale(10_000, None) == 1.0
+
+
+def test_period_rounds_half_up_and_is_at_least_one():
+    assert decay_period_from_surge(5, 1.5) == 8  # 7.5 -> 8 (Python's round() would give 8 too, 6.5 -> 6)
+    assert decay_period_from_surge(5, 1.3) == 7  # 6.5 -> 7
+    assert decay_period_from_surge(1, 0.1) == 1
+
+
+def test_warmup_matches_verl_constant_schedule():
+    from verl.utils.torch_functional import get_constant_schedule_with_warmup
+
+    import torch
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    verl_sched = get_constant_schedule_with_warmup(opt, num_warmup_steps=4)
+    for k in range(8):
+        assert warmup_scale(k, 4) == pytest.approx(verl_sched.lr_lambdas[0](k))
+
+
+def surge_series(onset=100, before=1000.0, after=3500.0, n=700):
+    return [before] * onset + [after] * (n - onset)
+
+
+def test_replay_reports_surge_period_and_scale_in_force():
+    res = replay(range(1, 701), surge_series())
+    assert res.surge_step is not None and 100 < res.surge_step < 110
+    assert res.decay_period == decay_period_from_surge(res.surge_step, 1.8)
+    p = res.decay_period
+    by_step = dict(zip(res.steps, res.lr_scale))
+    assert by_step[p - 1] == 1.0 and by_step[p] == 0.5 and by_step[2 * p] == 0.25
+    assert by_step[3 * p - 1] == 0.25 and by_step[3 * p] == 0.125 and by_step[700] == 0.125
+
+
+def test_replay_origin_surge():
+    res = replay(range(1, 301), surge_series(n=300), {"origin": "surge"})
+    by_step = dict(zip(res.steps, res.lr_scale))
+    t = res.surge_step
+    assert by_step[t] == 1.0 and by_step[t + 1] == 0.5
+    assert by_step[t + res.decay_period] == 0.5 and by_step[t + res.decay_period + 1] == 0.25
+
+
+def test_fixed_decay_period_decays_from_start_detector_only_reports():
+    res = replay(range(1, 301), surge_series(n=300), {"decay_period": 100, "origin": "surge"})
+    by_step = dict(zip(res.steps, res.lr_scale))
+    assert res.decay_period == 100 and res.surge_step is not None  # reported, not used
+    assert by_step[99] == 1.0 and by_step[100] == 0.5 and by_step[200] == 0.25 and by_step[300] == 0.125
+
+
+def test_replay_with_nan_and_empty_steps_never_crashes_or_fires():
+    values = [1000.0, math.nan, None, 0.0, float("inf")] * 60
+    res = replay(range(1, 301), values)
+    assert res.surge_step is None and set(res.lr_scale) == {1.0}
+
+
+def test_schedule_state_round_trip():
+    values = surge_series(n=400)
+    a = LengthSurgeSchedule()
+    for u in range(1, 105):
+        a.observe(u, values[u - 1])
+    b = LengthSurgeSchedule()
+    b.load_state_dict(a.state_dict())
+    for u in range(105, 401):
+        a.observe(u, values[u - 1])
+        b.observe(u, values[u - 1])
+        assert a.scale(u) == b.scale(u)
+    assert a.state_dict() == b.state_dict() and a.trigger_step is not None
+
+
+def test_metrics_keys_and_no_invented_values():
+    s = LengthSurgeSchedule()
+    s.observe(1, math.nan)
+    m = s.metrics(1)
+    assert m["lrstab/surge_step"] == -1 and m["lrstab/decay_period"] == -1 and m["lrstab/lr_scale"] == 1.0
+    assert "lrstab/response_length" not in m and "lrstab/baseline" not in m  # nothing measured, nothing logged
+    s.observe(2, 123.0)
+    assert s.metrics(2)["lrstab/response_length"] == 123.0
+
+
+@pytest.mark.parametrize(
+    "options,key",
+    [
+        ({"period_factor": 0}, "period_factor"),
+        ({"period_factor": -1.8}, "period_factor"),
+        ({"gamma": 1.0}, "gamma"),
+        ({"gamma": 0}, "gamma"),
+        ({"min_lr_ratio": 0}, "min_lr_ratio"),
+        ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
+        ({"decay_period": 0}, "decay_period"),
+        ({"decay_period": 2.5}, "decay_period"),
+        ({"origin": "middle"}, "origin"),
+        ({"trigger": "loss"}, "trigger"),
+        ({"ratio_threshold": 0.9}, "ratio_threshold"),
+        ({"patience": 0}, "patience"),
+        ({"horizon": "30"}, "horizon"),
+        ({"perod_factor": 1.8}, "perod_factor"),
+    ],
+)
+def test_bad_options_name_the_key_and_allowed_values(options, key):
+    with pytest.raises(ValueError, match=rf"length_surge\.{key}.*allowed"):
+        LengthSurgeConfig.from_dict(options)

@@ -1,0 +1,114 @@
+"""`lr_scheduler_type: length_surge` through verl's real Hydra config and config dataclasses."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import InstantiationException
+
+from verl.utils.config import omega_conf_to_dataclass
+from verl_lrstab.config import LengthSurgeConfig
+
+OPTIM = "actor_rollout_ref.actor.optim"
+
+
+def actor_config(*overrides):
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer",
+                      overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", *overrides])
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def test_name_alone_selects_the_paper_defaults():
+    optim = actor_config(f"{OPTIM}.lr_scheduler_type=length_surge", f"{OPTIM}.lr=1e-6").optim
+    assert optim.lr_scheduler_type == "length_surge" and optim.lr == 1e-6
+    assert optim.length_surge == LengthSurgeConfig()
+    assert (optim.length_surge.period_factor, optim.length_surge.gamma, optim.length_surge.min_lr_ratio) == (1.8, 0.5, 0.1)
+
+
+def test_options_with_plus_on_stock_config():
+    optim = actor_config(
+        f"{OPTIM}.lr_scheduler_type=length_surge",
+        f"+{OPTIM}.length_surge.period_factor=1.2",
+        f"+{OPTIM}.length_surge.origin=surge",
+        f"+{OPTIM}.length_surge.decay_period=50",
+    ).optim
+    assert optim.length_surge.period_factor == 1.2 and optim.length_surge.origin == "surge"
+    assert optim.length_surge.decay_period == 50
+
+
+def test_stock_config_is_unchanged():
+    optim = actor_config().optim
+    assert optim.lr_scheduler_type == "constant" and optim.length_surge is None
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (f"{OPTIM}.lr_scheduler_type=length_surgee", r"lr_scheduler_type='length_surgee'.*\['constant', 'cosine', 'length_surge'\]"),
+        (f"+{OPTIM}.length_surge.period_factor=-1", r"length_surge\.period_factor=-1.*allowed values are a number > 0"),
+        (f"+{OPTIM}.length_surge.min_lr_ratio=0", r"length_surge\.min_lr_ratio=0.*\(0, 1\]"),
+        (f"+{OPTIM}.length_surge.gamma=1.5", r"length_surge\.gamma=1\.5.*\(0, 1\)"),
+        (f"+{OPTIM}.length_surge.decay_period=0", r"length_surge\.decay_period=0.*>= 1"),
+        (f"+{OPTIM}.length_surge.origin=end", r"length_surge\.origin='end'.*\['start', 'surge'\]"),
+        (f"+{OPTIM}.length_surge.ratio=2", r"unknown key.*length_surge\.ratio.*allowed keys"),
+    ],
+)
+def test_bad_config_names_key_and_allowed_values(override, message):
+    overrides = [f"{OPTIM}.lr_scheduler_type=length_surge", override]
+    with pytest.raises((InstantiationException, ValueError), match=message):
+        actor_config(*overrides)
+
+
+def test_options_without_the_name_warn():
+    with pytest.warns(UserWarning, match="length_surge options are ignored"):
+        actor_config(f"+{OPTIM}.length_surge.period_factor=1.2")
+
+
+def run_python(code, **env):
+    import os
+
+    full_env = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full_env, timeout=120)
+
+
+def test_failed_plugin_is_not_silent_when_the_scheduler_is_named():
+    # Make the glue unimportable, as a broken install would: verl swallows the plugin error,
+    # but naming the scheduler must then fail with the cause.
+    proc = run_python(
+        """
+        import sys
+        sys.modules["verl_lrstab.verl_plugin"] = None  # ImportError on import
+        import verl
+        from verl.workers.config import FSDPOptimizerConfig
+        FSDPOptimizerConfig(lr=1e-6)  # other names are unaffected
+        try:
+            FSDPOptimizerConfig(lr=1e-6, lr_scheduler_type="length_surge")
+        except RuntimeError as exc:
+            print("RAISED:", exc)
+        """
+    )
+    assert "RAISED:" in proc.stdout, proc.stderr
+    assert "verl-lrstab plugin, which failed to load" in proc.stdout and "verl_plugin" in proc.stdout
+    assert "verl-lrstab failed to load" in proc.stderr  # logged at ERROR, not debug
+
+
+def test_explicit_target_works_with_plugins_disabled():
+    proc = run_python(
+        """
+        from hydra import compose, initialize_config_module
+        from verl.utils.config import omega_conf_to_dataclass
+        import verl.workers.engine.fsdp.transformer_impl as impl
+        with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+            cfg = compose(config_name="ppo_trainer", overrides=[
+                "actor_rollout_ref.actor.optim._target_=verl_lrstab.verl_config.LengthSurgeOptimizerConfig",
+                "actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge"])
+        optim = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.optim)
+        print("OK", type(optim).__name__, getattr(impl.FSDPEngine._build_lr_scheduler, "_lrstab_wrapped", False))
+        """,
+        VERL_USE_EXTERNAL_PLUGINS="none",
+    )
+    assert "OK LengthSurgeOptimizerConfig True" in proc.stdout, proc.stderr
