@@ -1,6 +1,7 @@
 """LengthSurgeLR: the torch scheduler protocol (step, get_last_lr, state_dict)."""
 
 import io
+import logging
 import math
 
 import pytest
@@ -77,6 +78,7 @@ def test_state_dict_round_trip_through_torch_save_weights_only():
 
 
 def test_changed_lr_on_resume_keeps_checkpoint_lr_and_warns(caplog):
+    caplog.set_level(logging.WARNING, logger="verl_lrstab")
     opt_a, a = make(lr=1e-6)
     drive(a, opt_a, [1000.0] * 5)
     opt_b, b = make(lr=3e-6)

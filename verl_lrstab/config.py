@@ -14,6 +14,8 @@ from typing import Any, Mapping, Optional
 SCHEDULER_NAME = "length_surge"
 ORIGINS = ("start", "surge")
 TRIGGERS = ("length", "mismatch", "either")
+# Non-negative mismatch figures a budget makes sense for (k1 can be negative).
+MISMATCH_METRICS = ("k3", "seq_k3", "max_abs_diff", "frac_over_thr")
 
 # The keys a user may set under ``length_surge``; used to word errors.
 _KEY_PREFIX = "actor_rollout_ref.actor.optim.length_surge"
@@ -58,7 +60,11 @@ class LengthSurgeConfig:
         mismatch_budget_factor (float): calibrated budget = factor x median mismatch KL over
             ``mismatch_calibration_steps`` valid steps after ``skip_first_steps``. Default 4.0.
         mismatch_calibration_steps (int): steps used to calibrate the budget. Default 10.
-        mismatch_metric (str): which mismatch figure the trigger watches. Default ``"k3"``.
+        mismatch_metric (str): which mismatch figure the trigger watches: ``"k3"`` (default),
+            ``"seq_k3"``, ``"max_abs_diff"`` or ``"frac_over_thr"`` (see the mismatch metrics).
+        monitor_only (bool): run the detector(s) and log every ``lrstab/*`` and ``mismatch/*``
+            figure, but never decay: the LR is verl's constant schedule (warmup included).
+            For the constant-LR baseline arms of a comparison. Default False.
     """
 
     period_factor: float = 1.8
@@ -78,6 +84,7 @@ class LengthSurgeConfig:
     mismatch_budget_factor: float = 4.0
     mismatch_calibration_steps: int = 10
     mismatch_metric: str = "k3"
+    monitor_only: bool = False
 
     def __post_init__(self):
         _check(_positive(self.period_factor), "period_factor", self.period_factor, "a number > 0")
@@ -100,7 +107,9 @@ class LengthSurgeConfig:
                    "null or a number > 0")
         _check(_positive(self.mismatch_budget_factor), "mismatch_budget_factor",
                self.mismatch_budget_factor, "a number > 0")
-        _check(self.mismatch_metric in ("k1", "k3"), "mismatch_metric", self.mismatch_metric, "one of ['k1', 'k3']")
+        _check(self.mismatch_metric in MISMATCH_METRICS, "mismatch_metric", self.mismatch_metric,
+               f"one of {list(MISMATCH_METRICS)}")
+        _check(isinstance(self.monitor_only, bool), "monitor_only", self.monitor_only, "true or false")
 
     @classmethod
     def from_dict(cls, options: Optional[Mapping[str, Any]]) -> "LengthSurgeConfig":

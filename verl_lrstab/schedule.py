@@ -84,6 +84,8 @@ class LengthSurgeSchedule:
 
     @property
     def decay_period(self) -> Optional[int]:
+        if self.config.monitor_only:
+            return None
         if self.config.decay_period is not None:
             return self.config.decay_period
         if self.trigger_step is None:
@@ -99,7 +101,7 @@ class LengthSurgeSchedule:
         mismatch_fired = False
         if self.mismatch_trigger is not None and mismatch_kl is not None:
             mismatch_fired = self.mismatch_trigger.update(update, mismatch_kl)
-        if self.trigger_step is not None:
+        if self.trigger_step is not None or self.config.monitor_only:
             return False
         source = None
         if length_fired and self.config.trigger in ("length", "either"):

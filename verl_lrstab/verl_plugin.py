@@ -134,9 +134,13 @@ def _patch_worker(module) -> None:
         scheduler = _length_surge_scheduler(self)
         if scheduler is None:
             return original(self, data)
-        scheduler.pending_response_length = global_mean_response_length(data, self.engine.get_data_parallel_group())
+        group = self.engine.get_data_parallel_group()
+        scheduler.pending_response_length = global_mean_response_length(data, group)
+        mismatch = global_mismatch_metrics(data, group)
+        if mismatch is not None:
+            scheduler.pending_mismatch_kl = mismatch.get(f"mismatch/{scheduler.config.mismatch_metric}")
         output = original(self, data)
-        return _with_metrics(output, scheduler.metrics())
+        return _with_metrics(output, {**scheduler.metrics(), **(mismatch or {})})
 
     train_mini_batch._lrstab_wrapped = True
     worker_cls.train_mini_batch = train_mini_batch
@@ -182,13 +186,48 @@ def global_mean_response_length(data, dp_group=None) -> float:
     except Exception as exc:  # never fail a training step for a metric
         logger.warning("verl_lrstab: could not measure the response length (%s); the step is skipped", exc)
         local = torch.tensor([math.nan, 0.0], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        backend_device = _collective_device(dp_group)
-        reduced = local.to(backend_device)
+    if _distributed(dp_group):
+        reduced = local.to(_collective_device(dp_group))
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=dp_group)
         local = reduced.cpu()
     total, count = local.tolist()
     return total / count if count > 0 else math.nan
+
+
+def global_mismatch_metrics(data, dp_group=None):
+    """``mismatch/*`` over the global batch, or None when the batch has no rollout log-probs.
+
+    Every rank holds the same keys, so every rank takes the same branch and the all-reduce
+    is matched; a rank that cannot compute joins it with zeros.
+    """
+    import torch
+
+    from verl_lrstab import mismatch
+
+    if "rollout_log_probs" not in data.keys() or "old_log_probs" not in data.keys():
+        mismatch.warn_once("missing")
+        return None
+    try:
+        stats = mismatch.compute_stats(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"])
+    except Exception as exc:  # never fail a training step for a metric
+        logger.warning("verl_lrstab: could not compute the mismatch figures (%s); none logged this step", exc)
+        stats = None
+    valid = stats is not None
+    if not valid:
+        mismatch.warn_once("missing")
+        stats = torch.zeros(len(mismatch.STAT_FIELDS), dtype=torch.float64)
+    if _distributed(dp_group):
+        stats = mismatch.all_reduce_stats(stats.to(_collective_device(dp_group)), group=dp_group).cpu()
+    result = mismatch.finalize(stats) if valid else None
+    if result is not None and result["mismatch/max_abs_diff"] == 0.0:
+        mismatch.warn_once("identical")
+    return result
+
+
+def _distributed(group) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def _collective_device(group):

@@ -1,0 +1,263 @@
+#!/usr/bin/env python
+"""Per-step overhead of verl-lrstab's additions, measured against a real training step.
+
+Not a timed test: a benchmark that prints a table. Sections (``--sections``, default all):
+
+- ``mismatch`` (issue 4): :func:`verl_lrstab.mismatch.compute_stats` + :func:`finalize`
+  at realistic shapes (512 sequences x 8192 tokens, float32), padded and jagged layouts,
+  with its peak extra memory; and the mismatch figures of a real bf16-vs-fp32 model pair.
+- ``scheduler``: reserved for the LR scheduler's overhead (add a ``bench_scheduler(ctx)``
+  returning rows and register it in ``SECTIONS``).
+
+The reference "real training step" is one forward + backward + AdamW step of a small
+transformers Qwen2 (random init, built locally) on a batch, measured in the same run, on the
+same device. Each section returns rows; ``main`` prints them as one table::
+
+    python scripts/bench_overhead.py            # full shapes (~1-2 min on 2 CPU cores)
+    python scripts/bench_overhead.py --quick    # CI-sized shapes (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from verl_lrstab.mismatch import compute_stats, finalize, mismatch_metrics  # noqa: E402
+
+
+# -- shared context: the reference training step --------------------------------------------
+@dataclass
+class TrainStep:
+    seconds: float  # median wall time of one forward + backward + optimizer step
+    n_seqs: int
+    seq_len: int
+    params: int
+    model: torch.nn.Module
+    input_ids: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.n_seqs * self.seq_len
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    device: torch.device
+    train: TrainStep
+
+
+def build_tiny_qwen2(quick: bool, device: torch.device) -> torch.nn.Module:
+    """A small random-init Qwen2 (no hub download): 4 layers x 256 hidden (2 x 128 with --quick)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=8192 if quick else 32000,
+        hidden_size=128 if quick else 256,
+        intermediate_size=512 if quick else 1024,
+        num_hidden_layers=2 if quick else 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).to(device=device, dtype=torch.float32)
+
+
+def _timeit(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple[float, float]:
+    """(median, min) seconds over ``repeats`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_train_step(args, device: torch.device) -> TrainStep:
+    model = build_tiny_qwen2(args.quick, device)
+    n_seqs, seq_len = (2, 128) if args.quick else (4, 512)
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, model.config.vocab_size, (n_seqs, seq_len), generator=g).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def step():
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    median, _ = _timeit(step, repeats=2 if args.quick else 3, device=device)
+    params = sum(p.numel() for p in model.parameters())
+    return TrainStep(median, n_seqs, seq_len, params, model, input_ids)
+
+
+# -- section: mismatch (issue 4) ------------------------------------------------------------------
+def _peak_extra_bytes(fn: Callable[[], object]) -> Optional[int]:
+    """Peak bytes allocated by ``fn`` beyond what existed before (its inputs)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    # CPU: the profiler's allocator events carry a running "Total Allocated" from its start.
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return max(totals) if totals else None
+
+
+def _log_probs(n_seqs: int, seq_len: int, device: torch.device, seed: int = 0):
+    """Synthetic (trainer, rollout, mask): log-probs near -2 with bf16-sized differences."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    old = -2.0 * torch.rand(n_seqs, seq_len, generator=g)
+    roll = old + 1e-3 * torch.randn(n_seqs, seq_len, generator=g)
+    lengths = torch.randint(seq_len // 8, seq_len + 1, (n_seqs,), generator=g)
+    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).to(torch.int64)  # verl: int64
+    old[~mask.bool()] = float("nan")  # garbage in the padding, as it may come
+    return old.to(device), roll.to(device), mask.to(device)
+
+
+def _to_jagged(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    lengths = mask.sum(-1)
+    return torch.nested.as_nested_tensor([x[i, : int(n)] for i, n in enumerate(lengths)], layout=torch.jagged)
+
+
+def bench_mismatch(ctx: Context) -> list[dict]:
+    """Mismatch figures' cost per step: on the train step's own batch shape and at 512 x 8192."""
+    args, device, train = ctx.args, ctx.device, ctx.train
+    repeats = 3 if args.quick else 5
+    big = (64, 1024) if args.quick else (512, 8192)
+    rows = []
+    for label, (n, t) in (("train-step batch", (train.n_seqs, train.seq_len)), ("realistic", big)):
+        old, roll, mask = _log_probs(n, t, device)
+        layouts = [("padded", (old, roll, mask))]
+        if label == "realistic":
+            layouts.append(("jagged", (_to_jagged(old, mask), _to_jagged(roll, mask), _to_jagged(mask, mask))))
+        for layout, inputs in layouts:
+            fn = lambda: finalize(compute_stats(*inputs))  # noqa: E731 (.tolist() in finalize syncs)
+            med, best = _timeit(fn, repeats, device)
+            peak = _peak_extra_bytes(lambda: compute_stats(*inputs))
+            n_tok, n_elem = int(mask.sum()), inputs[0].values().numel() if inputs[0].is_nested else old.numel()
+            # Cost per token vs the train step's cost per token: the ratio at an equal token count.
+            # The mismatch cost per token does not depend on the model; a real model's train step
+            # costs far more per token than this tiny one, so this ratio is an upper bound.
+            per_token_ratio = (med / n_tok) / (train.seconds / train.tokens)
+            rows.append({
+                "section": "mismatch",
+                "case": f"{label}, {layout}",
+                "shape": f"{n}x{t} ({n_tok / 1e6:.2f}M tok)",
+                "ms (median/min)": f"{med * 1e3:.2f} / {best * 1e3:.2f}",
+                "peak extra MiB": "n/a" if peak is None else f"{peak / 2**20:.1f} ({peak / n_elem:.1f} B/elem)",
+                "vs train step": f"{med / train.seconds:.3%}",
+                "per token vs train": f"{per_token_ratio:.4%}",
+            })
+        del old, roll, mask, layouts
+    return rows
+
+
+def real_mismatch_sample(train: TrainStep) -> Optional[dict]:
+    """Mismatch figures of the same model in bfloat16 (as a rollout engine) vs float32 (trainer)."""
+    model, ids = train.model, train.input_ids
+    with torch.no_grad():
+        lp32 = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+        model_bf16 = model.to(torch.bfloat16)
+        try:
+            lp16 = torch.log_softmax(model_bf16(input_ids=ids).logits.float(), -1)
+        finally:
+            model.to(torch.float32)
+    tokens = ids[:, 1:, None]
+    old = lp32[:, :-1].gather(-1, tokens).squeeze(-1)
+    roll = lp16[:, :-1].gather(-1, tokens).squeeze(-1)
+    return mismatch_metrics(old, roll, torch.ones_like(old, dtype=torch.int64))
+
+
+# -- registry and table ---------------------------------------------------------------------------
+SECTIONS: dict[str, Callable[[Context], list[dict]]] = {
+    "mismatch": bench_mismatch,
+    # "scheduler": bench_scheduler,  # the lead's section
+}
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    width = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    print(" | ".join(c.ljust(width[c]) for c in cols))
+    print("-|-".join("-" * width[c] for c in cols))
+    for r in rows:
+        print(" | ".join(str(r.get(c, "")).ljust(width[c]) for c in cols))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, for CI (seconds)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, from {list(SECTIONS)} (default: all)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown --sections {unknown}; allowed: {list(SECTIONS)}")
+    device = torch.device(args.device)
+
+    train = measure_train_step(args, device)
+    print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} quick={args.quick}")
+    print(f"reference train step: Qwen2 {train.params / 1e6:.1f}M params, batch {train.n_seqs}x{train.seq_len} "
+          f"({train.tokens} tokens), forward+backward+AdamW: {train.seconds * 1e3:.1f} ms "
+          f"({train.seconds / train.tokens * 1e6:.1f} us/token)\n")
+    rows = []
+    for name in args.sections.split(","):
+        rows += SECTIONS[name](Context(args, device, train))
+    print_table(rows)
+
+    if "mismatch" in args.sections.split(","):
+        sample = real_mismatch_sample(train)
+        print("\nmismatch of this model, bf16 forward (rollout) vs fp32 (trainer), same tokens:")
+        print("  " + ", ".join(f"{k.split('/')[1]}={v:.3g}" for k, v in sample.items()))
+        print("""
+How to read the mismatch rows:
+- 'vs train step': time of the mismatch figures over the measured train step of the tiny
+  model above. For the realistic shape it compares 512x8192 tokens of figures with a few
+  thousand tokens of training, so it is NOT the overhead of a real step.
+- 'per token vs train': the same costs per token, i.e. the ratio at an equal token count.
+  The figures cost the same per token for any model; training costs grow with the model
+  (about 6 x params FLOPs per token, plus the log-prob recompute and the rollout), so for a
+  real policy (billions of parameters, on GPUs, with generation in the same step) the
+  overhead is far below this tiny model's ratio.
+- 'peak extra MiB': allocated beyond the inputs (d, |d| reused for k3, a few bool masks).""")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
