@@ -1,0 +1,104 @@
+"""The worker-side glue on batches in the layouts verl's V0 and V1 trainers send to update_actor."""
+
+import logging
+
+import pytest
+import torch
+
+from verl import DataProto
+from verl.trainer.ppo.metric_utils import _compute_response_info
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import left_right_2_no_padding
+
+from verl_lrstab import mismatch
+from verl_lrstab.verl_plugin import _with_metrics, global_mean_response_length, global_mismatch_metrics, response_lengths
+
+PROMPT, RESP = 6, 8
+RESPONSE_LENS = [8, 3, 0, 5]  # one empty (aborted) response
+PROMPT_LENS = [6, 2, 4, 1]
+
+
+def padded_batch(with_rollout_log_probs=True):
+    """Left-padded prompts, right-padded responses: what V0's DataProto holds."""
+    bs = len(RESPONSE_LENS)
+    attention_mask = torch.zeros(bs, PROMPT + RESP, dtype=torch.int64)
+    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
+        attention_mask[i, PROMPT - p:PROMPT] = 1
+        attention_mask[i, PROMPT:PROMPT + r] = 1
+    response_mask = attention_mask[:, PROMPT:].clone()
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(3, 50, (bs, PROMPT + RESP), generator=gen),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "responses": torch.randint(3, 50, (bs, RESP), generator=gen),
+        "response_mask": response_mask,
+        "old_log_probs": -torch.rand(bs, RESP, generator=gen),
+    }
+    if with_rollout_log_probs:
+        batch["rollout_log_probs"] = batch["old_log_probs"] + 0.01 * torch.randn(bs, RESP, generator=gen)
+        batch["rollout_log_probs"][~response_mask.bool()] = float("nan")  # garbage in padding
+    return batch
+
+
+def v0_worker_batch(**kwargs):
+    # What RayPPOTrainer._update_actor sends: DataProto -> TensorDict -> no-padding layout.
+    return left_right_2_no_padding(DataProto.from_dict(tensors=padded_batch(**kwargs)).to_tensordict())
+
+
+def v1_worker_batch():
+    padded = padded_batch()
+    rows = range(len(RESPONSE_LENS))
+    jag = lambda key: torch.nested.as_nested_tensor(  # noqa: E731
+        [padded[key][i, :RESPONSE_LENS[i]] for i in rows], layout=torch.jagged)
+    return tu.get_tensordict({"responses": jag("responses"), "response_mask": jag("response_mask"),
+                              "old_log_probs": jag("old_log_probs"), "rollout_log_probs": jag("rollout_log_probs")})
+
+
+def verl_logged_mean():
+    """verl's own response_length/mean for the same batch (metric_utils)."""
+    batch = DataProto.from_dict(tensors=padded_batch())
+    return _compute_response_info(batch)["response_length"].mean().item()
+
+
+def test_v0_layout_matches_verl_response_length_mean():
+    data = v0_worker_batch()
+    assert response_lengths(data).tolist() == RESPONSE_LENS
+    assert global_mean_response_length(data) == pytest.approx(verl_logged_mean())
+
+
+def test_v1_layout_uses_jagged_response_lengths():
+    data = v1_worker_batch()
+    assert response_lengths(data).tolist() == RESPONSE_LENS
+    assert global_mean_response_length(data) == pytest.approx(sum(RESPONSE_LENS) / len(RESPONSE_LENS))
+
+
+def test_unmeasurable_batch_gives_nan_not_a_crash(caplog):
+    caplog.set_level(logging.WARNING, logger="verl_lrstab")
+    value = global_mean_response_length(tu.get_tensordict({"foo": torch.zeros(2, 3)}))
+    assert value != value and "could not measure" in caplog.text
+
+
+def test_mismatch_on_v0_and_v1_layouts_equals_padded_reference():
+    padded = padded_batch()
+    expected = mismatch.mismatch_metrics(padded["old_log_probs"], padded["rollout_log_probs"], padded["response_mask"])
+    for data in (v0_worker_batch(), v1_worker_batch()):
+        got = global_mismatch_metrics(data)
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert got[key] == pytest.approx(expected[key], rel=1e-6), key
+    assert expected["mismatch/n_tokens"] == sum(RESPONSE_LENS)
+
+
+def test_missing_rollout_log_probs_logs_nothing_and_names_the_key(caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, logger="verl_lrstab")
+    monkeypatch.setattr(mismatch, "_warned", set())
+    assert global_mismatch_metrics(v0_worker_batch(with_rollout_log_probs=False)) is None
+    assert "actor_rollout_ref.rollout.calculate_log_probs" in caplog.text
+
+
+def test_metrics_are_added_to_verl_output():
+    output = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"lr": [1e-6], "loss": [0.5]}})
+    merged = tu.get(_with_metrics(output, {"lrstab/surge_step": -1, "mismatch/k3": 1e-4}), "metrics")
+    assert merged == {"lr": [1e-6], "loss": [0.5], "lrstab/surge_step": [-1], "mismatch/k3": [1e-4]}
+    assert _with_metrics(None, {"x": 1}) is None
