@@ -6,8 +6,10 @@ Not a timed test: a benchmark that prints a table. Sections (``--sections``, def
 - ``mismatch`` (issue 4): :func:`verl_lrstab.mismatch.compute_stats` + :func:`finalize`
   at realistic shapes (512 sequences x 8192 tokens, float32), padded and jagged layouts,
   with its peak extra memory; and the mismatch figures of a real bf16-vs-fp32 model pair.
-- ``scheduler``: reserved for the LR scheduler's overhead (add a ``bench_scheduler(ctx)``
-  returning rows and register it in ``SECTIONS``).
+- ``scheduler`` (issue 2): the response-length signal the glue computes from the update
+  batch (V0 padded and V1 jagged layouts, 512 x 8192) plus one ``LengthSurgeLR.step`` with
+  its metrics, with the signal's peak extra memory (a view and a per-sequence sum: no copy
+  of the per-token tensors).
 
 The reference "real training step" is one forward + backward + AdamW step of a small
 transformers Qwen2 (random init, built locally) on a batch, measured in the same run, on the
@@ -34,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from verl_lrstab.mismatch import compute_stats, finalize, mismatch_metrics  # noqa: E402
+from verl_lrstab.scheduler import LengthSurgeLR  # noqa: E402
+from verl_lrstab.verl_plugin import global_mean_response_length  # noqa: E402
 
 
 # -- shared context: the reference training step --------------------------------------------
@@ -201,10 +205,60 @@ def real_mismatch_sample(train: TrainStep) -> Optional[dict]:
     return mismatch_metrics(old, roll, torch.ones_like(old, dtype=torch.int64))
 
 
+# -- section: scheduler (issue 2) ----------------------------------------------------------------
+def _length_batches(n_seqs: int, resp_len: int, prompt_len: int = 512):
+    """The update batch as the glue sees it: V0 (padded attention mask) and V1 (jagged responses)."""
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(resp_len // 8, resp_len + 1, (n_seqs,), generator=g)
+    response_mask = (torch.arange(resp_len)[None, :] < lengths[:, None]).to(torch.int64)
+    attention_mask = torch.cat([torch.ones(n_seqs, prompt_len, dtype=torch.int64), response_mask], dim=1)
+    v0 = TensorDict({"attention_mask": attention_mask, "response_mask": response_mask}, batch_size=[n_seqs])
+    responses = torch.nested.nested_tensor_from_jagged(
+        torch.zeros(int(lengths.sum()), dtype=torch.int64), offsets=torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]))
+    v1 = TensorDict({"responses": responses}, batch_size=[n_seqs])
+    return {"V0 padded": v0, "V1 jagged": v1}, float(lengths.float().mean())
+
+
+def bench_scheduler(ctx: Context) -> list[dict]:
+    """Signal + scheduler step per actor update, against the measured train step."""
+    args, train = ctx.args, ctx.train
+    repeats = 5 if args.quick else 20
+    n, t = (64, 1024) if args.quick else (512, 8192)
+    batches, true_mean = _length_batches(n, t)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-6)
+    sched = LengthSurgeLR(opt)
+    rows = []
+    for layout, data in batches.items():
+        assert abs(global_mean_response_length(data) - true_mean) < 1e-6 * true_mean  # measures the right thing
+        med, best = _timeit(lambda: global_mean_response_length(data), repeats, torch.device("cpu"))
+        peak = _peak_extra_bytes(lambda: global_mean_response_length(data))
+        rows.append({
+            "section": "scheduler",
+            "case": f"length signal, {layout}",
+            "shape": f"{n}x{t}",
+            "ms (median/min)": f"{med * 1e3:.3f} / {best * 1e3:.3f}",
+            "peak extra MiB": "n/a" if peak is None else f"{peak / 2**20:.3f}",
+            "vs train step": f"{med / train.seconds:.4%}",
+        })
+
+    def step():
+        opt.step()
+        sched.step(true_mean)
+        return sched.metrics()
+
+    med, best = _timeit(step, repeats * 10, torch.device("cpu"))
+    rows.append({"section": "scheduler", "case": "LengthSurgeLR.step + metrics (incl. optimizer.step of 1 param)",
+                 "shape": "-", "ms (median/min)": f"{med * 1e3:.3f} / {best * 1e3:.3f}", "peak extra MiB": "-",
+                 "vs train step": f"{med / train.seconds:.4%}"})
+    return rows
+
+
 # -- registry and table ---------------------------------------------------------------------------
 SECTIONS: dict[str, Callable[[Context], list[dict]]] = {
     "mismatch": bench_mismatch,
-    # "scheduler": bench_scheduler,  # the lead's section
+    "scheduler": bench_scheduler,
 }
 
 

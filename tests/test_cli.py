@@ -1,0 +1,220 @@
+"""``lrstab replay | calibrate | compare`` on runs logged by verl's own loggers, CSV, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+# Shared with test_runs: a run written through verl's Tracking whose surge the detector sees at 110.
+from test_runs import PAPER_SURGE, paper_lengths, val_score, write_verl_run
+
+from verl_lrstab.cli import main
+from verl_lrstab.config import LengthSurgeConfig
+
+LRSTAB = shutil.which("lrstab", path=os.path.dirname(sys.executable)) or shutil.which("lrstab")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def verl_run(tmp_path_factory):
+    """(JSONL, TensorBoard dir) of an 800-step run written by verl's FileLogger and TensorBoard adapter."""
+    mp = pytest.MonkeyPatch()
+    try:
+        yield write_verl_run(tmp_path_factory.mktemp("run"), mp)
+    finally:
+        mp.undo()
+
+
+def run_cli(*argv, capsys):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def paper_schedule(step: int) -> float:
+    # The paper's rule with P = 198: lr0 * max(0.1, 0.5 ** floor(t / P)).
+    return max(0.1, 0.5 ** (step // 198))
+
+
+@pytest.mark.skipif(LRSTAB is None, reason="the lrstab console script is not installed (pip install -e .)")
+def test_paper_example_through_the_installed_console_script(verl_run):
+    jsonl, _ = verl_run
+    proc = subprocess.run([LRSTAB, "replay", str(jsonl), "--json"], capture_output=True, text=True, check=False,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # exactly one JSON object on stdout
+    assert set(out) == {"surge_step", "decay_period", "steps", "lr_scale"}
+    assert out["surge_step"] == PAPER_SURGE == 110 and out["decay_period"] == 198
+    assert out["steps"] == list(range(1, 801))
+    scale = dict(zip(out["steps"], out["lr_scale"]))
+    assert scale[1] == scale[197] == 1.0
+    assert scale[198] == scale[395] == 0.5
+    assert scale[396] == scale[593] == 0.25
+    # METHOD.md's example says "0.1 (the floor) from 594", but its own formula gives
+    # max(0.1, 0.5 ** 3) = 0.125 there; the floor comes at 792 (4 x 198).
+    assert scale[594] == 0.125 and scale[792] == scale[800] == 0.1
+    assert all(scale[s] == paper_schedule(s) for s in out["steps"])
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "csv"])
+def test_replay_reads_every_format_alike(verl_run, tmp_path, capsys, kind):
+    jsonl, tb_dir = verl_run
+    if kind == "tensorboard":
+        pytest.importorskip("torch.utils.tensorboard")
+        run = tb_dir
+    else:
+        run = tmp_path / "wandb_export.csv"
+        run.write_text("# a wandb export\n_step,response_length/mean\n"
+                       + "".join(f"{s},{v}\n" for s, v in paper_lengths().items()))
+    code, out, _ = run_cli("replay", run, "--json", capsys=capsys)
+    assert code == 0
+    _, ref, _ = run_cli("replay", jsonl, "--json", capsys=capsys)
+    assert json.loads(out) == json.loads(ref)
+
+
+def test_replay_human_output_and_plot(verl_run, tmp_path, capsys):
+    png = tmp_path / "replay.png"
+    code, out, _ = run_cli("replay", verl_run[0], "--plot", png, capsys=capsys)
+    assert code == 0
+    assert "surge: step 110" in out and "decay period: 198" in out
+    assert "0.5 from 198; 0.25 from 396; 0.125 from 594; 0.1 from 792" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_scheduler_options_come_from_the_config_fields(verl_run, capsys):
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    help_text = capsys.readouterr().out
+    for f in fields(LengthSurgeConfig):
+        assert f"--{f.name.replace('_', '-')}" in help_text
+
+    code, out, _ = run_cli("replay", verl_run[0], "--json", "--origin", "surge", capsys=capsys)
+    scale = dict(zip(*(json.loads(out)[k] for k in ("steps", "lr_scale"))))
+    assert code == 0 and scale[110] == 1.0 and scale[111] == 0.5 and scale[309] == 0.25
+
+    code, out, _ = run_cli("replay", verl_run[0], "--json", "--ratio-threshold", "5", capsys=capsys)
+    res = json.loads(out)
+    assert res["surge_step"] is None and res["decay_period"] is None and set(res["lr_scale"]) == {1.0}
+
+    # the two-run workflow: a fixed period gives the paper's schedule whatever the run does
+    code, out, _ = run_cli("replay", verl_run[0], "--json", "--decay-period", "198", "--ratio-threshold", "5",
+                           capsys=capsys)
+    res = json.loads(out)
+    assert res["decay_period"] == 198 and res["lr_scale"][197] == 0.5  # step 198
+
+
+def test_invalid_option_value_is_one_line_naming_the_option(verl_run, capsys):
+    code, out, err = run_cli("replay", verl_run[0], "--gamma", "2", capsys=capsys)
+    assert code == 1 and out == ""
+    assert err.strip() == "lrstab: error: --gamma=2 is invalid: allowed values are a number in (0, 1)"
+    code, _, err = run_cli("replay", verl_run[0], "--origin", "middle", capsys=capsys)
+    assert code == 1 and "--origin='middle'" in err and "'start', 'surge'" in err
+
+
+def test_calibrate_prints_period_and_yaml_verl_accepts(verl_run, capsys):
+    code, out, _ = run_cli("calibrate", verl_run[0], capsys=capsys)
+    assert code == 0
+    assert "recommended decay_period: 198 = round(1.8 x 110)" in out
+    block = out.split("# paste into the arm's YAML (under the config root):\n")[1].split("\n\n")[0]
+    assert yaml.safe_load(block) == {"actor_rollout_ref": {"actor": {"optim": {
+        "lr_scheduler_type": "length_surge", "length_surge": {"decay_period": 198}}}}}
+    overrides = out.strip().splitlines()[-1].split()
+    assert overrides == ["actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge",
+                         "+actor_rollout_ref.actor.optim.length_surge.decay_period=198"]
+
+    # The printed overrides work on verl's stock ppo_trainer (with the plugin installed).
+    pytest.importorskip("verl_lrstab.verl_plugin")
+    from hydra import compose, initialize_config_module
+    from verl.utils.config import omega_conf_to_dataclass
+
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=overrides)
+    optim = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.optim)
+    assert optim.lr_scheduler_type == "length_surge" and optim.length_surge.decay_period == 198
+
+
+def test_calibrate_without_surge_exits_3(tmp_path, capsys):
+    run = tmp_path / "flat.csv"
+    run.write_text("step,response_length/mean\n" + "".join(f"{s},1000\n" for s in range(1, 200)))
+    code, out, err = run_cli("calibrate", run, capsys=capsys)
+    assert code == 3 and "surge: none" in out and "no surge found" in err
+    code, _, err = run_cli("calibrate", run, "--decay-period", "10", capsys=capsys)
+    assert code == 1 and "do not pass --decay-period" in err
+
+
+def test_compare_figures_and_summary(verl_run, tmp_path, capsys):
+    jsonl, tb_dir = verl_run
+    shared = ROOT.parent / "shared" / "traces" / "fleet_negotiation_9b_length_runaway.csv"
+    runs = [jsonl, tb_dir] + ([shared] if shared.exists() else [])
+    out_dir = tmp_path / "cmp"
+    code, out, err = run_cli("compare", *runs, "--out", out_dir, "--label", "jsonl", "--label", "tb",
+                             "--max-response-length", 8192, capsys=capsys)
+    assert code == 0, err
+    for fig in ("length", "val", "mismatch", "grad_norm", "entropy", "lr"):
+        assert (out_dir / f"{fig}.png").read_bytes()[:4] == b"\x89PNG"
+    table = pd.read_csv(out_dir / "summary.csv").set_index("run")
+    for label in ("jsonl", "tb"):
+        row = table.loc[label]
+        assert row.peak_val == pytest.approx(val_score(250)) and row.peak_val_step == 250
+        # documented rule: first validation step after the peak from which the score stays < 0.5 x peak
+        assert row.collapse_step == 310 and row.collapse_rule == "val < 0.5 x peak"
+        assert row.surge_step == 110 and row.decay_period == 198 and row.last_step == 800
+    assert (out_dir / "summary.md").read_text().startswith("| run | last_step | peak_val")
+    assert out.startswith("| run |")  # the markdown table on stdout
+    if shared.exists():  # a run without validation: still summarized, no invented values
+        row = table.loc["fleet_negotiation_9b_length_runaway"]
+        assert pd.isna(row.peak_val) and pd.isna(row.collapse_step) and row.surge_step == 52
+
+
+def test_compare_length_cap_rule_and_metric_override(tmp_path, capsys):
+    run = tmp_path / "runaway.csv"
+    lengths = {s: 1000 if s < 50 else 7900 for s in range(1, 101)}
+    run.write_text("step,my_len\n" + "".join(f"{s},{v}\n" for s, v in lengths.items()))
+    code, _, err = run_cli("compare", run, "--out", tmp_path / "c", "--metric", "length=my_len",
+                             "--max-response-length", 8192, capsys=capsys)
+    assert code == 0
+    row = pd.read_csv(tmp_path / "c" / "summary.csv").iloc[0]
+    assert row.collapse_step == 50 and row.collapse_rule == "length >= 0.9 x cap"
+    assert "figure val skipped" in err
+    code, _, err = run_cli("compare", run, "--metric", "loss=x", "--out", tmp_path / "c", capsys=capsys)
+    assert code == 1 and "FIGURE one of" in err
+
+
+@pytest.mark.parametrize("content,name,message", [
+    (None, "missing.jsonl", "no such file or directory"),
+    ("", "empty.jsonl", "the file is empty"),
+    ('{"step": 1, "data": {"response_length/mean": "long"}}\n', "text.jsonl", "non-numeric values"),
+    ('{"step": 1, "data": {"actor/lr": 1e-6}}\n', "nolength.jsonl", "not found in"),
+])
+def test_error_paths_one_line_nonzero_no_traceback(tmp_path, capsys, content, name, message):
+    p = tmp_path / name
+    if content is not None:
+        p.write_text(content)
+    # compare draws what a run has, so only an unreadable run stops it
+    for cmd in ("replay", "calibrate") + (("compare",) if name != "nolength.jsonl" else ()):
+        code, out, err = run_cli(cmd, p, *(["--out", tmp_path / "o"] if cmd == "compare" else []), capsys=capsys)
+        assert code == 1 and out == ""
+        assert err.count("\n") == 1 and err.startswith("lrstab: error:") and message in err
+
+
+def test_missing_metric_lists_available(verl_run, capsys):
+    code, _, err = run_cli("replay", verl_run[0], "--metric", "response_length/median", capsys=capsys)
+    assert code == 1
+    assert "metric response_length/median not found" in err and "available: actor/entropy, actor/grad_norm" in err
+
+
+@pytest.mark.skipif(LRSTAB is None, reason="the lrstab console script is not installed")
+def test_console_script_error_has_no_traceback(tmp_path):
+    proc = subprocess.run([LRSTAB, "replay", str(tmp_path / "none.jsonl")], capture_output=True, text=True,
+                          check=False, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"lrstab: error: {tmp_path / 'none.jsonl'}: no such file or directory"

@@ -1,0 +1,386 @@
+"""``lrstab``: what the length-surge scheduler would do (or did) on logged runs.
+
+    lrstab replay RUN [--metric response_length/mean] [scheduler options] [--plot out.png] [--json]
+    lrstab calibrate RUN [scheduler options]
+    lrstab compare RUN [RUN ...] [--out DIR]
+
+RUN is verl's file-logger JSONL, a TensorBoard log directory or a CSV with a step column
+(:mod:`verl_lrstab.runs`). The detector and the schedule are
+:func:`verl_lrstab.schedule.replay`, the code the trainer runs. Exit status: 0 done,
+1 unreadable run / missing metric / invalid option value, 2 usage error, 3 ``calibrate``
+found no surge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.runs import (
+    MissingMetricError,
+    RunError,
+    find_metric,
+    load_run,
+    metric_series,
+)
+from verl_lrstab.schedule import ReplayResult, decay_scale, replay
+
+# Metric names as verl (and the peers whose exports people compare against) log them.
+LENGTH_METRICS = ("response_length/mean", "response_length", "completions/mean_length", "completions_mean_length")
+KL_METRICS = ("mismatch/k3", "actor/mismatch/k3", "mismatch/k1", "actor/mismatch/k1", "rollout_corr/k3_kl",
+              "rollout_corr/kl")
+# compare: figure key -> (title, candidates, log-scale y)
+FIGURES = {
+    "length": ("mean response length", LENGTH_METRICS, False),
+    "val": ("validation score", ("val-core/*/acc/mean@*", "val-core/*/reward/mean@*", "val-core/*/mean@*",
+                                 "val-core/*"), False),
+    "mismatch": ("training-inference mismatch KL", KL_METRICS, True),
+    "grad_norm": ("grad norm", ("actor/grad_norm", "grad_norm"), True),
+    "entropy": ("entropy", ("actor/entropy", "entropy"), False),
+    "lr": ("learning rate", ("actor/lr", "learning_rate", "lr"), False),
+}
+EXIT_ERROR, EXIT_NO_SURGE = 1, 3
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+# -- scheduler options, generated from LengthSurgeConfig ------------------------------------------
+def _field_docs() -> dict[str, tuple[str, str]]:
+    """``name -> (type, text)`` from the ``Args:`` section of LengthSurgeConfig's docstring."""
+    docs, name = {}, None
+    for line in (LengthSurgeConfig.__doc__ or "").splitlines():
+        m = re.match(r"\s+(\w+) \(([^)]*)\): (.*)", line)
+        if m:
+            name = m.group(1)
+            docs[name] = (m.group(2), m.group(3).strip())
+        elif name and line.strip():
+            docs[name] = (docs[name][0], docs[name][1] + " " + line.strip())
+    return docs
+
+
+def _option_value(text: str):
+    # YAML scalars, as in a verl config: 1.8, 198, null, start. LengthSurgeConfig checks types.
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "scheduler options", "as under actor_rollout_ref.actor.optim.length_surge; unset ones keep their defaults")
+    docs = _field_docs()
+    for f in fields(LengthSurgeConfig):
+        typ, text = docs.get(f.name, ("", ""))
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_option_value,
+                           default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper() or "VALUE",
+                           help=text.replace("``", "").replace("%", "%%"))
+    group.add_argument("--warmup-steps", type=int, default=0, metavar="INT",
+                       help="verl's optim.lr_warmup_steps. Default 0.")
+
+
+def _config(args: argparse.Namespace) -> LengthSurgeConfig:
+    options = {f.name: getattr(args, f.name) for f in fields(LengthSurgeConfig) if hasattr(args, f.name)}
+    try:
+        return LengthSurgeConfig.from_dict(options)
+    except (ValueError, TypeError) as err:
+        raise RunError(str(err).replace("actor_rollout_ref.actor.optim.length_surge.", "--")) from None
+
+
+# -- the shared replay ----------------------------------------------------------------------------
+def _length_metric(df, name: str | None) -> str:
+    if name:
+        return name
+    found = find_metric(df, LENGTH_METRICS)
+    if found is None:
+        raise MissingMetricError(LENGTH_METRICS, df.columns, df.attrs.get("source", "run"))
+    return found
+
+
+def _replay_run(df, metric: str, config: LengthSurgeConfig, warmup_steps: int = 0,
+                kl_metric: str | None = None) -> tuple[ReplayResult, pd.Series]:
+    """Replay the run's length metric (and mismatch KL for the mismatch trigger); also return the series."""
+    values = metric_series(df, metric)
+    kl = None
+    if config.trigger != "length":
+        kl_name = kl_metric or find_metric(df, (f"mismatch/{config.mismatch_metric}",
+                                                f"actor/mismatch/{config.mismatch_metric}") + KL_METRICS)
+        if kl_name is None:
+            raise MissingMetricError(KL_METRICS, df.columns, df.attrs.get("source", "run"))
+        kl = metric_series(df, kl_name).reindex(values.index).tolist()
+    result = replay(values.index.tolist(), values.tolist(), config, warmup_steps=warmup_steps, mismatch_kl=kl)
+    return result, values
+
+
+def _plots():
+    try:
+        from verl_lrstab import plots
+    except ImportError as err:  # matplotlib is an extra: verl does not bring it
+        raise RunError(f"figures need matplotlib ({err}): pip install 'verl-lrstab[plot]'") from None
+    return plots
+
+
+def _decay_steps(result: ReplayResult) -> list[int]:
+    return [s for s, a, b in zip(result.steps[1:], result.lr_scale, result.lr_scale[1:]) if b < a]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+# -- commands -------------------------------------------------------------------------------------
+def cmd_replay(args) -> int:
+    config = _config(args)
+    df = load_run(args.run)
+    metric = _length_metric(df, args.metric)
+    result, values = _replay_run(df, metric, config, args.warmup_steps, args.kl_metric)
+    if args.plot:
+        _plots().plot_replay(values, result.steps, result.lr_scale, result.baseline, result.surge_step, metric,
+                             args.plot, title=f"lrstab replay: {Path(args.run).name}")
+    if args.json:
+        out = {"surge_step": result.surge_step, "decay_period": result.decay_period,
+               "steps": result.steps, "lr_scale": result.lr_scale}
+        print(json.dumps(out, allow_nan=False))
+        return 0
+    print(f"run:    {args.run}")
+    print(f"metric: {metric} ({len(values)} values, steps {result.steps[0]}..{result.steps[-1]})")
+    print(_surge_line(result))
+    if result.decay_period is not None:
+        how = "fixed (--decay-period)" if config.decay_period is not None else \
+            f"round({config.period_factor} x {result.trigger_step})"
+        print(f"decay period: {result.decay_period} = {how}, origin {config.origin}")
+    changes = [f"{_fmt(result.lr_scale[0])} from step {result.steps[0]}"]
+    changes += [f"{_fmt(result.lr_scale[result.steps.index(s)])} from {s}" for s in _decay_steps(result)]
+    print("LR scale: " + "; ".join(changes))
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _surge_line(result: ReplayResult) -> str:
+    ratios = [(r, s) for r, s in zip(result.ratio, result.steps) if isinstance(r, float) and math.isfinite(r)]
+    if result.surge_step is not None:
+        i = result.steps.index(result.surge_step)
+        ratio, base = _fmt(result.ratio[i]), _fmt(result.baseline[i])
+        return f"surge: step {result.surge_step} (level = {ratio} x baseline {base})"
+    if not ratios:
+        return "surge: none (too few steps after skip_first_steps to form a baseline)"
+    r, s = max(ratios)
+    return f"surge: none (highest level/baseline ratio {_fmt(r)} at step {s})"
+
+
+def cmd_calibrate(args) -> int:
+    config = _config(args)
+    if config.decay_period is not None:
+        raise RunError("calibrate computes decay_period from the run: do not pass --decay-period")
+    df = load_run(args.run)
+    metric = _length_metric(df, args.metric)
+    result, values = _replay_run(df, metric, config, args.warmup_steps, args.kl_metric)
+    print(f"run:    {args.run}")
+    print(f"metric: {metric} ({len(values)} values, steps {result.steps[0]}..{result.steps[-1]})")
+    print(_surge_line(result))
+    if result.decay_period is None:
+        print("lrstab: no surge found: nothing to calibrate (a constant-LR run that surges is needed)",
+              file=sys.stderr)
+        return EXIT_NO_SURGE
+    p, f = result.decay_period, config
+    # The LR multiplier at each period boundary, from the schedule's own rule, down to the floor.
+    scales = []
+    for k in range(1, 20):
+        scales.append(f"x{_fmt(decay_scale(k * p, p, f.gamma, f.min_lr_ratio))} from {k * p}")
+        if decay_scale(k * p, p, f.gamma, f.min_lr_ratio) <= f.min_lr_ratio:
+            break
+    print(f"recommended decay_period: {p} = round({f.period_factor} x {result.trigger_step}); LR "
+          + ", ".join(scales))
+    print("\n# paste into the arm's YAML (under the config root):")
+    print("actor_rollout_ref:\n  actor:\n    optim:\n      lr_scheduler_type: length_surge\n"
+          f"      length_surge:\n        decay_period: {p}")
+    print("\n# or as Hydra overrides of verl's ppo_trainer:")
+    print(f"actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge "
+          f"+actor_rollout_ref.actor.optim.length_surge.decay_period={p}")
+    return 0
+
+
+def _stays_from(condition) -> int | None:
+    """The first step from which ``condition`` (a boolean Series by step) holds to the end."""
+    if not condition.iloc[-1]:
+        return None
+    falses = condition.index[~condition.to_numpy()]
+    later = condition.index[condition.index > falses[-1]] if len(falses) else condition.index
+    return int(later[0])
+
+
+def _val_collapse(val, keep_fraction: float) -> int | None:
+    """First validation step after the peak from which the score stays below keep_fraction x peak."""
+    if val.max() <= 0:
+        return None
+    return _stays_from(val.loc[val.idxmax():] < keep_fraction * val.max())
+
+
+def _cap_collapse(length, cap: int | None, fraction: float) -> int | None:
+    """First step from which the mean response length stays at or above fraction x cap."""
+    return _stays_from(length >= fraction * cap) if cap else None
+
+
+def _labels(runs: list[str], given: list[str]) -> list[str]:
+    labels = list(given) + [Path(r).stem if Path(r).suffix else Path(r).name for r in runs[len(given):]]
+    seen: dict[str, int] = {}
+    for i, lab in enumerate(labels):
+        seen[lab] = seen.get(lab, 0) + 1
+        if seen[lab] > 1:
+            labels[i] = f"{lab}#{seen[lab]}"
+    return labels
+
+
+def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, args) -> tuple[dict, tuple]:
+    """One run's line of the compare table, and its (surge step, decay steps) marks."""
+    row = {"run": label, "last_step": int(df.index.max())}
+    length_name = overrides.get("length") or find_metric(df, LENGTH_METRICS)
+    marks, collapses = (None, []), []
+    if length_name in df.columns:
+        result, length = _replay_run(df, length_name, config, args.warmup_steps)
+        row.update(surge_step=result.surge_step, decay_period=result.decay_period)
+        marks = (result.surge_step, _decay_steps(result))
+        step = _cap_collapse(length, args.max_response_length, args.cap_fraction)
+        if step is not None:
+            collapses.append((step, f"length >= {args.cap_fraction:g} x cap"))
+    logged = find_metric(df, ("lrstab/surge_step",))
+    if logged and metric_series(df, logged).iloc[-1] >= 0:  # -1: no surge yet
+        row["logged_surge_step"] = int(metric_series(df, logged).iloc[-1])
+    val_name = overrides.get("val") or find_metric(df, FIGURES["val"][1])
+    if val_name in df.columns:
+        val = metric_series(df, val_name)
+        row.update(val_metric=val_name, peak_val=float(val.max()), peak_val_step=int(val.idxmax()),
+                   final_val=float(val.iloc[-1]))
+        step = _val_collapse(val, args.collapse_fraction)
+        if step is not None:
+            collapses.append((step, f"val < {args.collapse_fraction:g} x peak"))
+    if collapses:
+        row["collapse_step"], row["collapse_rule"] = min(collapses)
+    return row, marks
+
+
+def cmd_compare(args) -> int:
+    import pandas as pd
+
+    plots = _plots()
+    config = _config(args)
+    overrides = {}
+    for item in args.metric or []:
+        key, sep, name = item.partition("=")
+        if not sep or key not in FIGURES:
+            raise RunError(f"--metric {item!r}: expected FIGURE=NAME with FIGURE one of {list(FIGURES)}")
+        overrides[key] = name
+    labels = _labels(args.runs, args.label or [])
+    runs = [load_run(r) for r in args.runs]
+    rows, marks = zip(*(_summary_row(label, df, config, overrides, args) for label, df in zip(labels, runs)))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    for key, (title, candidates, logy) in FIGURES.items():
+        curves, names = [], []
+        for label, df, (surge, decays) in zip(labels, runs, marks):
+            name = overrides.get(key) or find_metric(df, candidates)
+            if name is not None and name in df.columns:
+                curves.append(plots.Curve(label, metric_series(df, name), surge, decays))
+                names.append(name)
+            elif key in overrides:
+                print(f"lrstab: {label} has no metric {overrides[key]} ({key} figure)", file=sys.stderr)
+        if not curves:
+            print(f"lrstab: figure {key} skipped: no run logs any of {list(candidates)}", file=sys.stderr)
+            continue
+        path = plots.plot_curves(curves, title, " | ".join(dict.fromkeys(names)), out / f"{key}.png", logy=logy)
+        print(f"figure: {path}", file=sys.stderr)
+
+    columns = ["run", "last_step", "peak_val", "peak_val_step", "final_val", "collapse_step", "collapse_rule",
+               "surge_step", "decay_period", "logged_surge_step", "val_metric"]
+    table = pd.DataFrame(list(rows)).reindex(columns=columns)
+    table.to_csv(out / "summary.csv", index=False)
+    md = _markdown(table)
+    (out / "summary.md").write_text(md + "\n")
+    print(md)
+    print(f"summary: {out / 'summary.csv'}, {out / 'summary.md'}", file=sys.stderr)
+    return 0
+
+
+def _markdown(table) -> str:
+    def cell(v):
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return ""
+        return _fmt(v) if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.astype(object).itertuples(index=False)]
+    return "\n".join(lines)
+
+
+# -- parser ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lrstab", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the detector's log lines")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_help = "verl file-logger JSONL, TensorBoard log directory, or CSV with a step column"
+
+    p = sub.add_parser("replay", help="what the scheduler would do on a logged run")
+    p.add_argument("run", help=run_help)
+    p.add_argument("--metric", help=f"the response-length metric (default: first of {list(LENGTH_METRICS)})")
+    p.add_argument("--kl-metric", help="mismatch KL metric for trigger mismatch|either (default: auto)")
+    p.add_argument("--plot", metavar="PNG", help="save the length, baseline and LR scale to this PNG")
+    p.add_argument("--json", action="store_true", help="print one JSON object: surge_step, decay_period, "
+                                                       "steps, lr_scale")
+    _add_scheduler_options(p)
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("calibrate", help="fixed decay_period from a constant-LR run (the two-run workflow)")
+    p.add_argument("run", help=run_help)
+    p.add_argument("--metric", help=f"the response-length metric (default: first of {list(LENGTH_METRICS)})")
+    p.add_argument("--kl-metric", help="mismatch KL metric for trigger mismatch|either (default: auto)")
+    _add_scheduler_options(p)
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("compare", help="curves side by side and a summary table",
+                       description="Collapse rule: a run collapsed at the first validation step after its peak "
+                                   "from which the score stays below COLLAPSE_FRACTION x peak, or (with "
+                                   "--max-response-length) the first step from which the mean length stays at "
+                                   "or above CAP_FRACTION x the cap; the earlier of the two.")
+    p.add_argument("runs", nargs="+", metavar="RUN", help=run_help)
+    p.add_argument("--out", default="lrstab_compare", help="output directory (default: lrstab_compare)")
+    p.add_argument("--label", action="append", help="legend label of each run, in order (default: file name)")
+    p.add_argument("--metric", action="append", metavar="FIGURE=NAME",
+                   help=f"metric of a figure, FIGURE one of {list(FIGURES)}; repeatable")
+    p.add_argument("--collapse-fraction", type=float, default=0.5, help="default 0.5")
+    p.add_argument("--max-response-length", type=int, help="data.max_response_length of the runs")
+    p.add_argument("--cap-fraction", type=float, default=0.9, help="default 0.9")
+    _add_scheduler_options(p)
+    p.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lrstab`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("verl_lrstab").setLevel(logging.INFO if args.verbose else logging.ERROR)
+    try:
+        return args.func(args)
+    except (RunError, OSError) as err:
+        print(f"lrstab: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

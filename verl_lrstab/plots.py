@@ -1,0 +1,105 @@
+"""Matplotlib figures shared by ``lrstab`` and the scripts (headless: the Agg backend)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on training nodes; must precede pyplot
+import matplotlib.pyplot as plt
+import pandas as pd
+
+
+@dataclass
+class Curve:
+    """One run's series in a figure.
+
+    Args:
+        label: the legend entry.
+        series: values indexed by step.
+        surge_step: drawn as a dashed vertical line (None: not drawn).
+        decay_steps: steps where the LR is decayed, drawn as dotted vertical lines.
+    """
+
+    label: str
+    series: pd.Series
+    surge_step: int | None = None
+    decay_steps: Sequence[int] = field(default_factory=list)
+
+
+def _marks(ax, curve: Curve, color) -> None:
+    if curve.surge_step is not None:
+        ax.axvline(curve.surge_step, color=color, ls="--", lw=1, alpha=0.8)
+    for s in curve.decay_steps:
+        ax.axvline(s, color=color, ls=":", lw=1, alpha=0.8)
+
+
+def plot_curves(curves: Sequence[Curve], title: str, ylabel: str, path: str | Path, logy: bool = False) -> Path:
+    """One figure, one line per run, surge (dashed) and decay (dotted) steps marked.
+
+    Args:
+        curves: the runs' series.
+        title: the figure title.
+        ylabel: the y axis label (the metric name as logged).
+        path: where to save the PNG.
+        logy: log-scale y axis (KL, grad norm).
+
+    Returns:
+        The path written.
+    """
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, c in enumerate(curves):
+        color = f"C{i % 10}"
+        style = "o-" if len(c.series) < 30 else "-"  # sparse logs: show the points
+        ax.plot(c.series.index, c.series.values, style, color=color, lw=1.2, ms=3, label=c.label)
+        _marks(ax, c, color)
+    if logy and all((c.series > 0).all() for c in curves):
+        ax.set_yscale("log")
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.plot([], [], "k--", lw=1, label="surge")
+    ax.plot([], [], "k:", lw=1, label="LR decay")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_replay(values: pd.Series, steps: Sequence[int], lr_scale: Sequence[float], baseline: Sequence[float],
+                surge_step: int | None, metric: str, path: str | Path, title: str = "") -> Path:
+    """The replayed run: the length metric with the detector's baseline, and the LR scale below.
+
+    Args:
+        values: the length metric indexed by step.
+        steps, lr_scale, baseline: from :func:`verl_lrstab.schedule.replay`.
+        surge_step: the detector's firing step, or None.
+        metric: the metric name, for the axis label.
+        path: where to save the PNG.
+        title: the figure title.
+
+    Returns:
+        The path written.
+    """
+    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    style = "o-" if len(values) < 30 else "-"
+    ax.plot(values.index, values.values, style, lw=1.2, ms=3, label=metric)
+    ax.plot(steps, baseline, color="gray", lw=1, label="detector baseline")
+    decays = [s for s, a, b in zip(steps[1:], lr_scale, lr_scale[1:]) if b < a]
+    for a in (ax, ax_lr):
+        _marks(a, Curve("", values, surge_step, decays), "C3")
+    ax.set(title=title, ylabel=metric)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax_lr.step(steps, lr_scale, where="post", color="C2")
+    ax_lr.set(xlabel="step", ylabel="LR / initial LR", ylim=(0, 1.05))
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

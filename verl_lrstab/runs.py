@@ -1,0 +1,241 @@
+"""Read a logged training run into one table (step x metric).
+
+Three formats, detected from the path:
+
+- verl's file logger (``trainer.logger=[file]``): JSON lines ``{"step": N, "data": {...}}``;
+- a TensorBoard log directory (verl's ``tensorboard`` logger), read with TensorBoard's own
+  event reader; the directory must hold the event files of one run;
+- a CSV with a step column (``step``, ``Step``, ``_step`` or ``global_step``; a wandb export
+  for instance). Lines starting with ``#`` are comments.
+
+The result is a :class:`pandas.DataFrame` indexed by ``step`` (int, sorted), one column per
+metric, named as logged (``response_length/mean``, ``actor/lr``, ``val-core/...``). Steps
+logged several times (verl logs validation and training metrics of a step in two calls)
+are merged, the later value winning. Errors raise :class:`RunError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import io
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+STEP_COLUMNS = ("step", "Step", "_step", "global_step", "trainer/global_step")
+# Above this size a progress bar is shown (on a terminal only: tqdm's disable=None).
+LARGE_BYTES = 5 * 2**20
+
+
+class RunError(Exception):
+    """A run that cannot be read or used; ``str(err)`` is one line fit for the user."""
+
+
+class MissingMetricError(RunError):
+    """A metric the caller asked for is not in the run.
+
+    Args:
+        metric: the name (or names) looked for.
+        available: the metric names the run has.
+        source: the run's path, for the message.
+    """
+
+    def __init__(self, metric: str | Sequence[str], available: Iterable[str], source: str = "run"):
+        self.metric = metric
+        self.available = sorted(available)
+        wanted = metric if isinstance(metric, str) else " or ".join(metric)
+        shown = ", ".join(self.available[:40]) + (" ..." if len(self.available) > 40 else "")
+        super().__init__(f"metric {wanted} not found in {source}; available: {shown or '(none)'}")
+
+
+def load_run(path: str | os.PathLike) -> pd.DataFrame:
+    """Load a logged run (verl JSONL, TensorBoard directory or CSV) into a step-indexed table.
+
+    Args:
+        path: the file or directory.
+
+    Returns:
+        A DataFrame indexed by ``step``; ``df.attrs["source"]`` holds the path.
+
+    Raises:
+        RunError: missing, unreadable, empty or malformed input.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise RunError(f"{p}: no such file or directory")
+    if p.is_dir() or p.name.startswith("events.out.tfevents"):
+        df = _read_tensorboard(p if p.is_dir() else p.parent)
+    elif p.stat().st_size == 0:
+        raise RunError(f"{p}: the file is empty")
+    elif p.suffix in (".jsonl", ".json", ".ndjson") or (p.suffix != ".csv" and _first_char(p) == "{"):
+        df = _read_jsonl(p)
+    else:
+        df = _read_csv(p)
+    if df.empty or len(df.columns) == 0:
+        raise RunError(f"{p}: no metrics logged")
+    df = df.sort_index()
+    df.index.name = "step"
+    df.attrs["source"] = str(p)
+    return df
+
+
+def metric_series(df: pd.DataFrame, name: str) -> pd.Series:
+    """One metric as floats, its unlogged steps dropped (sparse logs are fed as logged).
+
+    Args:
+        df: a table from :func:`load_run`.
+        name: the metric, exactly as logged.
+
+    Raises:
+        MissingMetricError: no such column, or it has no values.
+        RunError: the column holds values that are not numbers.
+    """
+    source = df.attrs.get("source", "run")
+    if name not in df.columns:
+        raise MissingMetricError(name, df.columns, source)
+    raw = df[name]
+    values = pd.to_numeric(raw, errors="coerce")
+    bad = raw.notna() & values.isna()
+    if bad.any():
+        step = bad.idxmax()
+        raise RunError(f"metric {name} in {source} has non-numeric values (first: {raw[step]!r} at step {step})")
+    values = values.dropna().astype(float)
+    if values.empty:
+        raise MissingMetricError(name, [c for c in df.columns if df[c].notna().any()], source)
+    return values
+
+
+def find_metric(df: pd.DataFrame, candidates: Sequence[str]) -> str | None:
+    """The first candidate logged in ``df``; candidates may be ``fnmatch`` patterns (``val-core/*``)."""
+    for cand in candidates:
+        if "*" in cand:
+            hits = sorted(c for c in df.columns if fnmatch.fnmatchcase(c, cand) and df[c].notna().any())
+            if hits:
+                return hits[0]
+        elif cand in df.columns and df[cand].notna().any():
+            return cand
+    return None
+
+
+# -- readers -------------------------------------------------------------------------------------
+def _first_char(p: Path) -> str:
+    with open(p, "rb") as f:
+        return f.read(4096).decode("utf-8", "replace").lstrip()[:1]
+
+
+def _progress(p: Path, **kw) -> tqdm:
+    big = p.stat().st_size >= LARGE_BYTES
+    return tqdm(desc=f"reading {p.name}", disable=None if big else True, leave=False, **kw)
+
+
+def _read_jsonl(p: Path) -> pd.DataFrame:
+    rows: dict[int, dict] = {}
+    with open(p, "rb") as f, _progress(p, total=p.stat().st_size, unit="B", unit_scale=True) as bar:
+        for lineno, line in enumerate(f, 1):
+            bar.update(len(line))
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                step, data = rec["step"], rec["data"]
+                if not isinstance(data, dict) or isinstance(step, bool):
+                    raise TypeError
+                step = _as_step(step)
+            except (ValueError, KeyError, TypeError):
+                raise RunError(f"{p}:{lineno}: not a verl file-logger line "
+                               '({"step": <int>, "data": {...}} expected)') from None
+            rows.setdefault(step, {}).update(data)
+    if not rows:
+        raise RunError(f"{p}: the file has no records")
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def _read_csv(p: Path) -> pd.DataFrame:
+    with open(p, encoding="utf-8", errors="replace", newline="") as f, _progress(p, unit=" lines") as bar:
+        lines = []
+        for line in f:
+            bar.update(1)
+            if not line.lstrip().startswith("#") and line.strip():
+                lines.append(line)
+    if not lines:
+        raise RunError(f"{p}: the file has no header and no rows")
+    try:
+        df = pd.read_csv(io.StringIO("".join(lines)), dtype=str)  # NaN, empty, null... -> NA
+    except (pd.errors.ParserError, csv.Error, UnicodeDecodeError) as err:
+        raise RunError(f"{p}: not a readable CSV ({str(err).splitlines()[0]})") from None
+    step_col = next((c for c in STEP_COLUMNS if c in df.columns), None)
+    if step_col is None:
+        raise RunError(f"{p}: no step column (one of {list(STEP_COLUMNS)}); columns: {list(df.columns)}")
+    if df.empty:
+        raise RunError(f"{p}: the file has a header but no rows")
+    try:
+        steps = [_as_step(s) for s in df.pop(step_col)]
+    except (TypeError, ValueError):
+        raise RunError(f"{p}: column {step_col} must hold integer step numbers") from None
+    df = _tidy_wandb_columns(df).apply(_numeric_if_possible)
+    df.index = steps
+    # A step on several rows: merge them, the later value winning.
+    return df.groupby(level=0, sort=True).last()
+
+
+def _tidy_wandb_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """wandb panel exports name columns ``<run> - <metric>`` and add ``__MIN``/``__MAX`` twins."""
+    df = df[[c for c in df.columns if not c.endswith(("__MIN", "__MAX"))]]
+    prefixes = {c.split(" - ", 1)[0] for c in df.columns if " - " in c}
+    if len(prefixes) == 1 and all(" - " in c for c in df.columns):
+        df = df.rename(columns=lambda c: c.split(" - ", 1)[1])
+    return df
+
+
+def _numeric_if_possible(col: pd.Series) -> pd.Series:
+    # Columns that are all numbers become floats; others stay text (metric_series names them).
+    try:
+        return pd.to_numeric(col)
+    except (ValueError, TypeError):
+        return col
+
+
+def _read_tensorboard(d: Path) -> pd.DataFrame:
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    from tensorboard.util import tensor_util
+
+    run_dirs = sorted({f.parent for f in d.rglob("events.out.tfevents.*")})
+    if not run_dirs:
+        raise RunError(f"{d}: no TensorBoard event files (events.out.tfevents.*) in this directory")
+    if len(run_dirs) > 1:
+        names = ", ".join(str(r) for r in run_dirs[:10])
+        raise RunError(f"{d}: holds {len(run_dirs)} TensorBoard runs, pass one of: {names}")
+    acc = ea.EventAccumulator(str(run_dirs[0]), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+    try:
+        acc.Reload()
+    except Exception as err:  # noqa: BLE001 - the reader raises assorted protobuf/IO errors
+        raise RunError(f"{run_dirs[0]}: unreadable TensorBoard events ({type(err).__name__}: {err})") from None
+    tags = acc.Tags()
+    columns: dict[str, dict[int, float]] = {}
+    for tag in tqdm(tags.get("scalars", []), desc="reading scalars", disable=None, leave=False):
+        columns[tag] = {e.step: e.value for e in acc.Scalars(tag)}
+    # Newer writers (tf.summary, tensorboardX with new-style summaries) log scalars as tensors.
+    for tag in tags.get("tensors", []):
+        vals = {}
+        for e in acc.Tensors(tag):
+            arr = tensor_util.make_ndarray(e.tensor_proto)
+            if arr.size == 1 and arr.dtype.kind in "fiu":
+                vals[e.step] = float(arr.reshape(-1)[0])
+        if vals:
+            columns.setdefault(tag, vals)
+    if not columns:
+        raise RunError(f"{run_dirs[0]}: the TensorBoard events hold no scalars")
+    return pd.DataFrame(columns)
+
+
+def _as_step(value) -> int:
+    f = float(value)
+    if not math.isfinite(f) or f != int(f):
+        raise ValueError(value)
+    return int(f)
