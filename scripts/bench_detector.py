@@ -163,8 +163,9 @@ def main() -> None:
             "(>= 10), fires at the first z > 3. Cells: detection step (delay after onset); `-` no report on a "
             "no-surge trace; **miss** / **false alarm** in bold; `early` = fired before the onset.\n\n"
             "Delays count steps from the first step of the rise. The real traces are sparse (logged every "
-            "4-20 steps) and fed as logged: our detector's `patience` counts observations, so there the delay "
-            "mostly reflects the logging interval; the `collapse` column gives the lead time left.\n\n"
+            "4-20 steps) and fed as logged (windows and `patience` are in steps, but a surge still needs two "
+            "logged points), so there the delay mostly reflects the logging interval; the `collapse` column "
+            "gives the lead time left.\n\n"
             + table + "\n")
         print(f"\nwrote {args.out}", file=sys.stderr)
 

@@ -172,7 +172,7 @@ def test_compare_figures_and_summary(verl_run, tmp_path, capsys):
     assert out.startswith("| run |")  # the markdown table on stdout
     if shared.exists():  # a run without validation: still summarized, no invented values
         row = table.loc["fleet_negotiation_9b_length_runaway"]
-        assert pd.isna(row.peak_val) and pd.isna(row.collapse_step) and row.surge_step == 52
+        assert pd.isna(row.peak_val) and pd.isna(row.collapse_step) and row.surge_step == 44
 
 
 def test_compare_length_cap_rule_and_metric_override(tmp_path, capsys):

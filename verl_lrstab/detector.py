@@ -3,7 +3,7 @@
 A surge is a fast rise: the current level (median of the last ``fast_window``
 steps) reaches ``ratio_threshold`` x the baseline (median of a
 ``baseline_window``-step span that ends ``horizon`` steps earlier), on
-``patience`` consecutive observations. Medians make a single long batch
+``patience`` consecutive steps. Medians make a single long batch
 harmless; comparing against the level ``horizon`` steps ago makes the test
 about speed, so slow healthy growth (~1.5x over 100+ steps) stays well under
 the threshold while the runaways that precede collapse (1.8x-4x within 20-40
@@ -36,7 +36,9 @@ class SurgeDetector:
         baseline_window (int): span in steps of the median giving the baseline. Default 10.
         ratio_threshold (float): surge condition ``level >= ratio_threshold * baseline``.
             Default 1.5, must be > 1.
-        patience (int): consecutive valid observations meeting the condition. Default 3.
+        patience (int): the condition must hold on consecutive valid observations spanning at
+            least ``patience`` steps (3 observations when every step is logged; 2 in a log
+            written every 5 steps, so sparse logs are not penalised). Default 3.
         max_surges (int): surges reported at most. Default 1. After a surge the history
             is cleared, so a further surge is measured against the post-surge level.
 
@@ -119,12 +121,16 @@ class SurgeDetector:
         if not reference and self._first_step + self.baseline_window <= step - self.fast_window + 1:
             reference = self._first_values
         if not reference:
-            self.baseline, self.ratio, self._streak = _NAN, _NAN, 0
+            self.baseline, self.ratio, self._streak_start = _NAN, _NAN, None
             return False
         self.baseline = median(reference)
         self.ratio = self.level / self.baseline
-        self._streak = self._streak + 1 if self.ratio >= self.ratio_threshold else 0
-        if self._streak >= self.patience and len(self.surge_steps) < self.max_surges:
+        if self.ratio < self.ratio_threshold:
+            self._streak_start = None
+            return False
+        if self._streak_start is None:
+            self._streak_start = step
+        if step - self._streak_start + 1 >= self.patience and len(self.surge_steps) < self.max_surges:
             self.surge_steps.append(step)
             # A later surge (max_surges > 1) is measured against the post-surge level.
             self._reset_history()
@@ -137,7 +143,7 @@ class SurgeDetector:
             "history": [[s, v] for s, v in self._history],
             "first_step": self._first_step,
             "first_values": list(self._first_values),
-            "streak": self._streak,
+            "streak_start": self._streak_start,
             "surge_steps": list(self.surge_steps),
             "num_skipped": self.num_skipped,
             "last_step": self.last_step,
@@ -150,7 +156,7 @@ class SurgeDetector:
         self._history = [(int(s), float(v)) for s, v in state["history"]]
         self._first_step = state["first_step"]
         self._first_values = [float(v) for v in state["first_values"]]
-        self._streak = int(state["streak"])
+        self._streak_start = state["streak_start"]
         self.surge_steps = [int(s) for s in state["surge_steps"]]
         self.num_skipped = int(state["num_skipped"])
         self.last_step = state["last_step"]
@@ -161,7 +167,7 @@ class SurgeDetector:
         self._history: list[tuple[int, float]] = []
         self._first_step: Optional[int] = None
         self._first_values: list[float] = []
-        self._streak = 0
+        self._streak_start: Optional[int] = None
 
 
 def _valid(value) -> bool:
