@@ -102,3 +102,12 @@ def test_metrics_are_added_to_verl_output():
     merged = tu.get(_with_metrics(output, {"lrstab/surge_step": -1, "mismatch/k3": 1e-4}), "metrics")
     assert merged == {"lr": [1e-6], "loss": [0.5], "lrstab/surge_step": [-1], "mismatch/k3": [1e-4]}
     assert _with_metrics(None, {"x": 1}) is None
+
+
+def test_bit_identical_log_probs_bypass_mode_log_nothing(caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, logger="verl_lrstab")
+    monkeypatch.setattr(mismatch, "_warned", set())
+    data = v0_worker_batch()
+    data["rollout_log_probs"] = data["old_log_probs"].clone()  # what bypass_mode hands the worker
+    assert global_mismatch_metrics(data) is None
+    assert "bypass_mode" in caplog.text

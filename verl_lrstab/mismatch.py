@@ -66,9 +66,9 @@ WARNINGS = {
         "old_log_probs, so the trainer never recomputes them and no mismatch/* figures are logged."
     ),
     "identical": (
-        "verl_lrstab: old_log_probs equal rollout_log_probs on every response token, so mismatch/* is 0. "
-        "With algorithm.rollout_correction.bypass_mode=true the trainer does not recompute log-probs "
-        "and this 0 is by construction, not a measurement."
+        "verl_lrstab: old_log_probs equal rollout_log_probs bit for bit on every response token, as "
+        "with algorithm.rollout_correction.bypass_mode=true (the trainer reuses the rollout's log-probs): "
+        "there is no mismatch to measure, so no mismatch/* figures are logged."
     ),
 }
 _warned: set = set()
