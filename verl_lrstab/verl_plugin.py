@@ -93,20 +93,16 @@ def _patch_config(module) -> None:
 
 # -- 2. the engine builds our scheduler ------------------------------------------------------------
 def _patch_engine(module) -> None:
-    engine_cls = module.FSDPEngine
-    original = engine_cls._build_lr_scheduler
-    if getattr(original, "_lrstab_wrapped", False):
-        return
+    def wrap(original):
+        def _build_lr_scheduler(self, optimizer):
+            optim_config = self.optimizer_config
+            if optim_config.lr_scheduler_type != SCHEDULER_NAME:
+                return original(self, optimizer)
+            return build_length_surge_scheduler(optimizer, optim_config, verbose=self.rank == 0)
 
-    @functools.wraps(original)
-    def _build_lr_scheduler(self, optimizer):
-        optim_config = self.optimizer_config
-        if optim_config.lr_scheduler_type != SCHEDULER_NAME:
-            return original(self, optimizer)
-        return build_length_surge_scheduler(optimizer, optim_config, verbose=self.rank == 0)
+        return _build_lr_scheduler
 
-    _build_lr_scheduler._lrstab_wrapped = True
-    engine_cls._build_lr_scheduler = _build_lr_scheduler
+    _wrap_method(module.FSDPEngine, "_build_lr_scheduler", wrap)
 
 
 def build_length_surge_scheduler(optimizer, optim_config, verbose: bool = False):
@@ -124,26 +120,32 @@ def build_length_surge_scheduler(optimizer, optim_config, verbose: bool = False)
 
 # -- 3. the worker feeds the scheduler and reports its figures -------------------------------------
 def _patch_worker(module) -> None:
-    worker_cls = module.TrainingWorker
-    original = worker_cls.train_mini_batch
+    def wrap(original):
+        def train_mini_batch(self, data):
+            scheduler = _length_surge_scheduler(self)
+            if scheduler is None:
+                return original(self, data)
+            group = self.engine.get_data_parallel_group()
+            scheduler.pending_response_length = global_mean_response_length(data, group)
+            mismatch = global_mismatch_metrics(data, group)
+            if mismatch is not None:
+                scheduler.pending_mismatch_kl = mismatch.get(f"mismatch/{scheduler.config.mismatch_metric}")
+            output = original(self, data)
+            return _with_metrics(output, {**scheduler.metrics(), **(mismatch or {})})
+
+        return train_mini_batch
+
+    _wrap_method(module.TrainingWorker, "train_mini_batch", wrap)
+
+
+def _wrap_method(cls, name: str, make_wrapper: Callable) -> None:
+    """Replace ``cls.name`` by ``make_wrapper(original)`` once (keeps verl's decorator attributes)."""
+    original = getattr(cls, name)
     if getattr(original, "_lrstab_wrapped", False):
         return
-
-    @functools.wraps(original)
-    def train_mini_batch(self, data):
-        scheduler = _length_surge_scheduler(self)
-        if scheduler is None:
-            return original(self, data)
-        group = self.engine.get_data_parallel_group()
-        scheduler.pending_response_length = global_mean_response_length(data, group)
-        mismatch = global_mismatch_metrics(data, group)
-        if mismatch is not None:
-            scheduler.pending_mismatch_kl = mismatch.get(f"mismatch/{scheduler.config.mismatch_metric}")
-        output = original(self, data)
-        return _with_metrics(output, {**scheduler.metrics(), **(mismatch or {})})
-
-    train_mini_batch._lrstab_wrapped = True
-    worker_cls.train_mini_batch = train_mini_batch
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    wrapper._lrstab_wrapped = True
+    setattr(cls, name, wrapper)
 
 
 def _length_surge_scheduler(worker):
