@@ -39,8 +39,9 @@ class SurgeDetector:
         patience (int): the condition must hold on consecutive valid observations spanning at
             least ``patience`` steps (3 observations when every step is logged; 2 in a log
             written every 5 steps, so sparse logs are not penalised). Default 3.
-        max_surges (int): surges reported at most. Default 1. After a surge the history
-            is cleared, so a further surge is measured against the post-surge level.
+        max_surges (int): surges reported at most. Default 1. While more may come, the history
+            is cleared after a surge, so the next one is measured against the post-surge level;
+            otherwise level, baseline and ratio keep being reported.
 
     Example:
         >>> det = SurgeDetector(skip_first_steps=0, horizon=5, baseline_window=3, fast_window=2, patience=2)
@@ -132,8 +133,9 @@ class SurgeDetector:
             self._streak_start = step
         if step - self._streak_start + 1 >= self.patience and len(self.surge_steps) < self.max_surges:
             self.surge_steps.append(step)
-            # A later surge (max_surges > 1) is measured against the post-surge level.
-            self._reset_history()
+            if len(self.surge_steps) < self.max_surges:
+                # A later surge is measured against the post-surge level.
+                self._reset_history()
             return True
         return False
 
