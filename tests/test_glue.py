@@ -104,10 +104,11 @@ def test_metrics_are_added_to_verl_output():
     assert _with_metrics(None, {"x": 1}) is None
 
 
-def test_bit_identical_log_probs_bypass_mode_log_nothing(caplog, monkeypatch):
+def test_bit_identical_log_probs_are_flagged_as_bypass_mode(caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
     monkeypatch.setattr(mismatch, "_warned", set())
     data = v0_worker_batch()
     data["rollout_log_probs"] = data["old_log_probs"].clone()  # what bypass_mode hands the worker
-    assert global_mismatch_metrics(data) is None
-    assert "bypass_mode" in caplog.text
+    got = global_mismatch_metrics(data)
+    assert got["mismatch/k3"] == 0.0 and got["mismatch/max_abs_diff"] == 0.0
+    assert "bypass_mode" in caplog.text and "by construction" in caplog.text

@@ -68,7 +68,7 @@ WARNINGS = {
     "identical": (
         "verl_lrstab: old_log_probs equal rollout_log_probs bit for bit on every response token, as "
         "with algorithm.rollout_correction.bypass_mode=true (the trainer reuses the rollout's log-probs): "
-        "there is no mismatch to measure, so no mismatch/* figures are logged."
+        "mismatch/* is then 0 by construction, not a measurement of the two engines."
     ),
 }
 _warned: set = set()

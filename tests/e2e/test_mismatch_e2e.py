@@ -1,0 +1,64 @@
+"""End-to-end (issue 4): the mismatch figures and the mismatch trigger in verl's real main_ppo on CPU.
+
+The CPU rollout returns the log-probs of its own forward pass; with ``rollout.dtype=bfloat16``
+generation runs in bf16 while the FSDP trainer recomputes in fp32: a real mismatch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_main_ppo_cpu import SURGE, TRAINER, series, surge_run
+
+pytestmark = pytest.mark.e2e
+
+MISMATCH_KEYS = {f"actor/mismatch/{k}" for k in ("k1", "k3", "seq_k1", "seq_k3", "max_abs_diff", "frac_over_thr",
+                                                 "n_tokens", "n_nonfinite")}
+BF16_STEPS = 8
+FP32_K3_MAX = 1e-6  # same weights, same dtype: rounding only
+
+
+def bf16_run(main_ppo, budget: float):
+    """bf16 generation, fp32 training; the decay is started by the mismatch trigger only."""
+    return main_ppo(f"bf16-budget-{budget:g}", SURGE + TRAINER["v0"] + [
+        f"trainer.total_training_steps={BF16_STEPS}",
+        "actor_rollout_ref.rollout.dtype=bfloat16",
+        "actor_rollout_ref.actor.optim.length_surge.trigger=mismatch",
+        f"actor_rollout_ref.actor.optim.length_surge.mismatch_budget={budget}",
+    ])
+
+
+def test_mismatch_logged_every_step_and_near_zero_in_same_precision(main_ppo):
+    run = surge_run(main_ppo, "v0")  # float32 generation and training (configs/cpu_demo.yaml)
+    for step, data in run.metrics.items():
+        assert MISMATCH_KEYS <= set(data), (step, MISMATCH_KEYS - set(data))
+        assert data["actor/mismatch/n_tokens"] > 0 and data["actor/mismatch/n_nonfinite"] == 0
+        assert 0.0 <= data["actor/mismatch/k3"] <= FP32_K3_MAX, (step, data["actor/mismatch/k3"])
+        # logged on the same step as the LR it may act on
+        assert "actor/lr" in data
+
+
+def test_bf16_generation_gives_a_clear_mismatch_and_the_trigger_fires(main_ppo):
+    fp32 = series(surge_run(main_ppo, "v0").metrics, "actor/mismatch/k3")
+    run = bf16_run(main_ppo, budget=1e-7)
+    k3 = series(run.metrics, "actor/mismatch/k3")
+    assert sorted(k3) == list(range(1, BF16_STEPS + 1))
+    assert min(k3.values()) > 10 * max(max(fp32.values()), 1e-9), (k3, fp32)
+    # k1 estimates the same KL: positive on average, same order as k3
+    k1 = series(run.metrics, "actor/mismatch/k1")
+    assert sum(k1.values()) > 0
+
+    trigger = series(run.metrics, "actor/lrstab/trigger_step")
+    fired = [s for s in sorted(trigger) if trigger[s] >= 0]
+    assert fired, f"budget 1e-7 is below every measured k3 {k3}, the trigger must fire"
+    assert series(run.metrics, "actor/lrstab/mismatch_budget")[fired[0]] == pytest.approx(1e-7)
+    lr = series(run.metrics, "actor/lr")
+    assert lr[BF16_STEPS] < lr[1], "the decay started by the mismatch trigger must lower the LR"
+
+
+def test_trigger_does_not_fire_with_a_budget_above_the_mismatch(main_ppo):
+    run = bf16_run(main_ppo, budget=1.0)
+    k3 = series(run.metrics, "actor/mismatch/k3")
+    assert max(k3.values()) < 1.0
+    assert set(series(run.metrics, "actor/lrstab/trigger_step").values()) == {-1}
+    assert len(set(series(run.metrics, "actor/lr").values())) == 1  # constant LR throughout
