@@ -218,3 +218,20 @@ def test_console_script_error_has_no_traceback(tmp_path):
                           check=False, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == f"lrstab: error: {tmp_path / 'none.jsonl'}: no such file or directory"
+
+
+def test_compare_reports_what_a_length_surge_run_logged(tmp_path, capsys):
+    # A run that ran the scheduler with its own options: the summary and marks come from its
+    # actor/lrstab/* and actor/lr, not from a replay with the default options.
+    run = tmp_path / "trained.csv"
+    rows = []
+    for s in range(1, 41):
+        surge = 12 if s >= 12 else -1
+        lr = 5e-4 * (0.5 ** ((s - 6) // 6) if s >= 12 else 1.0)
+        rows.append(f"{s},{5 + s},{surge},{lr}\n")
+    run.write_text("step,response_length/mean,actor/lrstab/surge_step,actor/lr\n" + "".join(rows))
+    code, out, err = run_cli("compare", run, "--out", tmp_path / "cmp", capsys=capsys)
+    assert code == 0, err
+    row = pd.read_csv(tmp_path / "cmp" / "summary.csv").set_index("run").loc["trained"]
+    assert row.logged_surge_step == 12  # what the run did (the replay with defaults says 30)
+    assert row.surge_step == 30

@@ -255,9 +255,13 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
         step = _cap_collapse(length, args.max_response_length, args.cap_fraction)
         if step is not None:
             collapses.append((step, f"length >= {args.cap_fraction:g} x cap"))
-    logged = find_metric(df, ("lrstab/surge_step",))
+    logged = find_metric(df, ("actor/lrstab/surge_step", "lrstab/surge_step"))
     if logged and metric_series(df, logged).iloc[-1] >= 0:  # -1: no surge yet
         row["logged_surge_step"] = int(metric_series(df, logged).iloc[-1])
+        lr_name = find_metric(df, ("actor/lr",))
+        if lr_name:  # a run that ran the scheduler: mark what it did, not the replay
+            lr = metric_series(df, lr_name)
+            marks = (row["logged_surge_step"], [int(t) for t in lr.index[1:][lr.values[1:] < lr.values[:-1]]])
     val_name = overrides.get("val") or find_metric(df, FIGURES["val"][1])
     if val_name in df.columns:
         val = metric_series(df, val_name)
