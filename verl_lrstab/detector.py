@@ -99,12 +99,13 @@ class SurgeDetector:
         warning: they never raise and never count towards a surge.
         """
         self.last_step = step
-        if not _valid(value):
+        number = finite_float(value)
+        if number is None or number <= 0:
             self.num_skipped += 1
             logger.warning("verl_lrstab: step %s: response length %r is not a positive finite number; "
                            "the surge detector skips it", step, value)
             return False
-        value = float(value)
+        value = number
         if step <= self.skip_first_steps:
             return False
 
@@ -172,11 +173,12 @@ class SurgeDetector:
         self._streak_start: Optional[int] = None
 
 
-def _valid(value) -> bool:
+def finite_float(value) -> Optional[float]:
+    """``float(value)`` if it is a finite number (bools and non-numbers are not), else None."""
     if value is None or isinstance(value, bool):
-        return False
+        return None
     try:
         v = float(value)
     except (TypeError, ValueError):
-        return False
-    return math.isfinite(v) and v > 0
+        return None
+    return v if math.isfinite(v) else None

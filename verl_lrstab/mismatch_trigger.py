@@ -20,6 +20,8 @@ import math
 from statistics import median
 from typing import Optional
 
+from verl_lrstab.detector import finite_float
+
 logger = logging.getLogger("verl_lrstab")
 
 
@@ -67,11 +69,11 @@ class MismatchTrigger:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if budget is not None and not (_finite(budget) and budget > 0):
+        if budget is not None and not (finite_float(budget) is not None and budget > 0):
             raise ValueError(f"mismatch budget must be null or a finite number > 0, got {budget!r}")
-        if not (_finite(budget_factor) and budget_factor > 0):
+        if not (finite_float(budget_factor) is not None and budget_factor > 0):
             raise ValueError(f"budget_factor must be a finite number > 0, got {budget_factor!r}")
-        if not (_finite(min_budget) and min_budget >= 0):
+        if not (finite_float(min_budget) is not None and min_budget >= 0):
             raise ValueError(f"min_budget must be a finite number >= 0, got {min_budget!r}")
         self.fixed_budget = None if budget is None else float(budget)
         self.budget_factor = float(budget_factor)
@@ -99,12 +101,13 @@ class MismatchTrigger:
     def update(self, step: int, value: Optional[float]) -> bool:
         """Feed the figure logged for ``step``; return True only at the step where it fires."""
         self.last_step = step
-        if not _finite(value):
+        number = finite_float(value)
+        if number is None:
             self.num_skipped += 1
             logger.warning("verl_lrstab: step %s: mismatch figure %r is not a finite number; "
                            "the mismatch trigger skips it", step, value)
             return False
-        value = float(value)
+        value = number
         if step <= self.skip_first_steps or self.fired:
             return False
         if self.budget is None:
@@ -145,12 +148,3 @@ class MismatchTrigger:
         self.fired_step = None if state["fired_step"] is None else int(state["fired_step"])
         self.num_skipped = int(state["num_skipped"])
         self.last_step = state["last_step"]
-
-
-def _finite(value) -> bool:
-    if value is None or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Union
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.detector import SurgeDetector
+from verl_lrstab.detector import SurgeDetector, finite_float
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -95,8 +95,8 @@ class LengthSurgeSchedule:
     def observe(self, update: int, response_length: Optional[float] = None,
                 mismatch_kl: Optional[float] = None) -> bool:
         """Feed the figures of update ``update``; return True if the decay is triggered now."""
-        self.response_length = _as_float(response_length)
-        self.mismatch_kl = _as_float(mismatch_kl)
+        self.response_length = _or_nan(finite_float(response_length))
+        self.mismatch_kl = _or_nan(finite_float(mismatch_kl))
         length_fired = self.detector.update(update, response_length)
         mismatch_fired = False
         if self.mismatch_trigger is not None and mismatch_kl is not None:
@@ -178,11 +178,8 @@ def _make_mismatch_trigger(config: LengthSurgeConfig):
     )
 
 
-def _as_float(value) -> float:
-    try:
-        return float(value) if value is not None else math.nan
-    except (TypeError, ValueError):
-        return math.nan
+def _or_nan(value: Optional[float]) -> float:
+    return math.nan if value is None else value
 
 
 # -- offline replay: the same code over a logged run ------------------------------------------
