@@ -112,3 +112,23 @@ def test_bit_identical_log_probs_are_flagged_as_bypass_mode(caplog, monkeypatch)
     got = global_mismatch_metrics(data)
     assert got["mismatch/k3"] == 0.0 and got["mismatch/max_abs_diff"] == 0.0
     assert "bypass_mode" in caplog.text and "by construction" in caplog.text
+
+
+def test_v1_synthetic_padding_samples_are_left_out_like_verls_metrics():
+    # verl V1 pads a batch to a multiple of the DP size with samples built by
+    # construct_minimal_padding_template and skips them (is_padding tag) in response_length/*.
+    from verl.trainer.ppo.padding_utils import construct_minimal_padding_template
+
+    padded = padded_batch()
+    sample = {"responses": padded["responses"][0, :RESPONSE_LENS[0]], "prompts": padded["input_ids"][0, :PROMPT],
+              "input_ids": padded["input_ids"][0], "attention_mask": padded["attention_mask"][0],
+              "position_ids": padded["position_ids"][0], "response_mask": padded["response_mask"][0, :RESPONSE_LENS[0]]}
+    pad, tag = construct_minimal_padding_template(sample, {}, eos_token_id=2)
+    assert tag["is_padding"]
+    rows = range(len(RESPONSE_LENS))
+    responses = [padded["responses"][i, :RESPONSE_LENS[i]] for i in rows] + [pad["responses"]] * 2
+    masks = [padded["response_mask"][i, :RESPONSE_LENS[i]] for i in rows] + [pad["response_mask"]] * 2
+    data = tu.get_tensordict({"responses": torch.nested.as_nested_tensor(responses, layout=torch.jagged),
+                              "response_mask": torch.nested.as_nested_tensor(masks, layout=torch.jagged)})
+    assert response_lengths(data).tolist() == RESPONSE_LENS
+    assert global_mean_response_length(data) == pytest.approx(sum(RESPONSE_LENS) / len(RESPONSE_LENS))

@@ -158,13 +158,13 @@ def _length_surge_scheduler(worker):
 def response_lengths(data):
     """Per-sample response token counts, as verl's ``response_length/*`` metrics count them.
 
-    V1 sends ``responses`` as a jagged tensor (verl logs ``responses.offsets().diff()``);
-    V0 sends left/right-padded ``attention_mask`` (verl logs ``attention_mask[:, -R:].sum(-1)``
-    with R the padded response width).
+    V1 sends ``responses`` as a jagged tensor (verl logs ``responses.offsets().diff()`` over the
+    samples that are not synthetic padding); V0 sends left/right-padded ``attention_mask`` (verl
+    logs ``attention_mask[:, -R:].sum(-1)`` with R the padded response width).
     """
     responses = data.get("responses", None) if hasattr(data, "get") else None
     if responses is not None and getattr(responses, "is_nested", False):
-        return responses.offsets().diff()
+        return _drop_v1_padding(responses.offsets().diff(), data.get("response_mask", None))
     attention_mask, response_mask = data.get("attention_mask", None), data.get("response_mask", None)
     if attention_mask is not None and response_mask is not None and not attention_mask.is_nested:
         width = response_mask.shape[-1]
@@ -175,6 +175,23 @@ def response_lengths(data):
         return response_mask.sum(-1)
     raise KeyError("verl_lrstab: the actor batch has neither 'responses', 'attention_mask' nor 'response_mask'; "
                    f"cannot measure the response length (keys: {list(data.keys())})")
+
+
+def _drop_v1_padding(lengths, response_mask):
+    """Leave out V1's synthetic padding samples, as verl's metrics do (they skip ``is_padding`` tags).
+
+    The tags do not reach the worker; a padding sample is recognisable by its one response
+    token with a zero response mask (``padding_utils.construct_minimal_padding_template``),
+    which no real sample has (its first response token is always generated, mask 1).
+    """
+    if response_mask is None or not response_mask.is_nested or response_mask.size(0) != lengths.numel():
+        return lengths
+    import torch
+
+    offsets = response_mask.offsets()
+    cumsum = torch.cat([offsets.new_zeros(1), response_mask.values().to(offsets.dtype).cumsum(0)])
+    masked = cumsum[offsets[1:]] - cumsum[offsets[:-1]]
+    return lengths[~((lengths == 1) & (masked == 0))]
 
 
 def global_mean_response_length(data, dp_group=None) -> float:
