@@ -10,7 +10,7 @@ TORCH   ?= torch==2.13.0
 # the verl[...] extras would replace the CPU torch, so they are not used.
 VERL    ?= verl==0.9.1 cachetools fastapi uvicorn TransferQueue==0.1.11
 
-.PHONY: install demo test test-unit test-e2e bench clean
+.PHONY: install demo test test-unit test-e2e bench repro repro-ci clean
 
 install: $(STAMP)
 
@@ -40,6 +40,13 @@ test-e2e: install
 bench: install
 	$(PY) scripts/bench_overhead.py
 	$(PY) scripts/bench_detector.py
+
+## Issue 6, work in progress: CPU-scale reproduction of the collapse (scripts/repro/README.md).
+repro: install
+	$(PY) scripts/repro/all.py
+
+repro-ci: install
+	$(PY) scripts/repro/all.py --ci
 
 clean:
 	rm -rf $(VENV) .assets outputs .pytest_cache

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""`make repro` / `make repro-ci`: warm start (if missing), every arm x seed one at a time, then the report.
+
+Usage:
+    python scripts/repro/all.py                 # full: 6 arms x 3 seeds x 150 steps (~75-90 min on 2 cores)
+    python scripts/repro/all.py --ci            # CI: small warm start, const + ls_surge, 1 seed, 20 steps
+    python scripts/repro/all.py --arms const control --seeds 1 2 --steps 100
+
+A run whose ``run.json`` says it finished is not run again (delete its directory to redo it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from repro.arms import ARMS  # noqa: E402
+
+REPO_ROOT = HERE.parents[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ci", action="store_true", help="the small version CI runs (< 10 min)")
+    p.add_argument("--arms", nargs="*", default=None, choices=sorted(ARMS))
+    p.add_argument("--seeds", nargs="*", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=1.5e-4)
+    p.add_argument("--noise", type=float, default=0.03)
+    p.add_argument("--sft-steps", type=int, default=None)
+    p.add_argument("--out", type=Path, default=None, help="default outputs/repro (outputs/repro-ci with --ci)")
+    return p.parse_args(argv)
+
+
+def sh(cmd: list[str]) -> int:
+    print("$ " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=REPO_ROOT)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = args.out or REPO_ROOT / "outputs" / ("repro-ci" if args.ci else "repro")
+    arms = args.arms or (["const", "ls_surge"] if args.ci else list(ARMS))
+    seeds = args.seeds or ([1] if args.ci else [1, 2, 3])
+    steps = args.steps or (20 if args.ci else 150)
+    sft_steps = args.sft_steps or (1500 if args.ci else 5000)
+    assets, runs = out / "assets", out / "runs"
+    py = sys.executable
+    start = time.monotonic()
+    if not (assets / "warmstart.json").exists():
+        if sh([py, str(HERE / "warmstart.py"), "--out", str(assets), "--steps", str(sft_steps)]) != 0:
+            return 1
+    failed = []
+    for seed in seeds:
+        for arm in arms:
+            info = runs / f"{arm}-s{seed}" / "run.json"
+            if info.exists() and json.loads(info.read_text()).get("returncode") == 0:
+                continue
+            rc = sh([py, str(HERE / "run.py"), "--arm", arm, "--seed", str(seed), "--steps", str(steps),
+                     "--lr", str(args.lr), "--noise", str(args.noise), "--assets", str(assets), "--out", str(runs)])
+            if rc != 0:
+                failed.append(f"{arm}-s{seed}")
+    rc = sh([py, str(HERE / "report.py"), "--runs", str(runs), "--out", str(out / "report")])
+    print(f"repro: {time.monotonic() - start:.0f}s; report in {out / 'report'}" + (f"; FAILED: {failed}" if failed else ""))
+    return 1 if failed or rc else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Table and plots of the reproduction runs, from verl's file-logger JSONL.
+
+Usage: python scripts/repro/report.py [--runs outputs/repro/runs] [--out outputs/repro/report]
+
+Per run: the surge step (the detector's own ``actor/lrstab/surge_step``, logged by every arm
+since the constant arms run it with ``monitor_only``), the collapse step (rule below), peak
+and final validation accuracy, the mismatch KL (``actor/mismatch/k3``) early and late. Per
+arm: the same, mean +- std over seeds. Figures: one line per run, colour per arm.
+
+Collapse rule (:func:`collapse_step`): the first validation step after the peak from which
+the validation accuracy stays below ``COLLAPSE_FRACTION`` (0.5) x peak to the end of the run,
+for at least ``MIN_POINTS`` (2) validations, provided the peak is at least ``MIN_PEAK`` (0.05):
+a run that never learned cannot collapse, and one low last point is not a collapse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VAL_KEY = "val-core/lrstab_repro_add/acc/mean@1"  # greedy validation; sampled (n=4) logs mean@4
+
+
+def val_key(metrics: dict[int, dict]) -> str:
+    """The validation accuracy key of this run (``val-core/<source>/acc/mean@<n>``), VAL_KEY if none."""
+    keys = sorted({k for d in metrics.values() for k in d if k.startswith("val-core/") and "/acc/mean@" in k})
+    return keys[0] if keys else VAL_KEY
+COLLAPSE_FRACTION = 0.5
+MIN_PEAK = 0.05
+MIN_POINTS = 2
+SERIES = {  # figure -> (metric, title, log y)
+    "length": ("response_length/mean", "mean response length (tokens)", False),
+    "val": (VAL_KEY, "validation accuracy (greedy)", False),
+    "score": ("critic/score/mean", "training reward (sampled)", False),
+    "mismatch": ("actor/mismatch/k3", "mismatch KL k3 (rollout vs trainer)", True),
+    "lr": ("actor/lr", "actor LR", False),
+}
+
+
+def read_jsonl(path: Path) -> dict[int, dict]:
+    """verl's file logger, ``{step: data}``; unfinished lines are skipped."""
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out.setdefault(int(rec["step"]), {}).update(rec["data"])
+    return out
+
+
+def series(metrics: dict[int, dict], key: str) -> dict[int, float]:
+    return {s: float(d[key]) for s, d in sorted(metrics.items()) if key in d and d[key] is not None}
+
+
+def collapse_step(val: dict[int, float], fraction: float = COLLAPSE_FRACTION, min_peak: float = MIN_PEAK,
+                  min_points: int = MIN_POINTS) -> Optional[int]:
+    """First step after the peak from which ``val`` stays below ``fraction x peak``; None if it never does.
+
+    Args:
+        val: validation accuracy by step.
+        fraction: share of the peak under which the run counts as collapsed.
+        min_peak: a peak under this means the run never learned: no collapse is called.
+        min_points: validations the final low stretch must span.
+
+    Returns:
+        The collapse step or None.
+    """
+    if not val:
+        return None
+    steps = sorted(val)
+    peak_step = max(steps, key=lambda s: (val[s], -s))
+    peak = val[peak_step]
+    if peak < min_peak:
+        return None
+    after = [s for s in steps if s > peak_step]
+    start, n = None, 0
+    for s in after:
+        if val[s] < fraction * peak:
+            start, n = (s if start is None else start), n + 1
+        else:
+            start, n = None, 0
+    return start if n >= min_points else None
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def summarize_run(metrics: dict[int, dict]) -> dict:
+    """The table row of one run (see the module docstring)."""
+    val, length, k3 = series(metrics, val_key(metrics)), series(metrics, "response_length/mean"), series(metrics, "actor/mismatch/k3")
+    surge = [int(v) for v in series(metrics, "actor/lrstab/surge_step").values() if v >= 0]
+    lsteps = sorted(length)
+    return {
+        "last_step": max(metrics, default=0),
+        "surge_step": surge[0] if surge else None,
+        "collapse_step": collapse_step(val),
+        "peak_val": max(val.values()) if val else math.nan,
+        "peak_val_step": max(val, key=lambda s: (val[s], -s)) if val else None,
+        "final_val": val[max(val)] if val else math.nan,
+        "len_first10": _mean([length[s] for s in lsteps[:10]]),
+        "len_max10": max((_mean([length[t] for t in lsteps[i:i + 10]]) for i in range(max(1, len(lsteps) - 9))),
+                         default=math.nan),
+        "len_last10": _mean([length[s] for s in lsteps[-10:]]),
+        "k3_first10": _mean([k3[s] for s in sorted(k3)[:10]]),
+        "k3_last10": _mean([k3[s] for s in sorted(k3)[-10:]]),
+    }
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e-2 and v != 0 else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def _spread(values: list) -> str:
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return "-"
+    if len(vals) == 1:
+        return _fmt(float(vals[0]))
+    return f"{_fmt(statistics.mean(vals))} ± {_fmt(statistics.stdev(vals))}"
+
+
+def arm_table(rows: list[dict]) -> str:
+    """Markdown: one line per arm, mean ± std over its seeds; surge/collapse as the list of steps."""
+    arms: dict[str, list[dict]] = {}
+    for r in rows:
+        arms.setdefault(r["arm"], []).append(r)
+    lines = ["| arm | seeds | surge step | collapsed (step) | peak val | final val | len first/peak/last 10 | k3 first/last 10 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, rs in arms.items():
+        surges = ", ".join(_fmt(r["surge_step"]) for r in rs)
+        coll = [r["collapse_step"] for r in rs]
+        coll_txt = f"{sum(c is not None for c in coll)}/{len(rs)} (" + ", ".join(_fmt(c) for c in coll) + ")"
+        lens = " / ".join(_spread([r[k] for r in rs]) for k in ("len_first10", "len_max10", "len_last10"))
+        k3 = " / ".join(_spread([r[k] for r in rs]) for k in ("k3_first10", "k3_last10"))
+        lines.append(f"| {arm} | {len(rs)} | {surges} | {coll_txt} | {_spread([r['peak_val'] for r in rs])} | "
+                     f"{_spread([r['final_val'] for r in rs])} | {lens} | {k3} |")
+    return "\n".join(lines)
+
+
+def run_table(rows: list[dict]) -> str:
+    keys = ["run", "arm", "seed", "last_step", "surge_step", "collapse_step", "peak_val", "peak_val_step", "final_val",
+            "len_first10", "len_max10", "len_last10", "k3_first10", "k3_last10", "wall_s"]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(runs: list[tuple[dict, dict]], out: Path) -> list[Path]:
+    """One PNG per :data:`SERIES` entry; colour per arm, surge steps dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = sorted({r["arm"] for r, _ in runs})
+    color = {a: f"C{i % 10}" for i, a in enumerate(arms)}
+    paths = []
+    for name, (key, title, logy) in SERIES.items():
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for row, metrics in runs:
+            s = series(metrics, val_key(metrics) if key == VAL_KEY else key)
+            if not s:
+                continue
+            ax.plot(list(s), list(s.values()), "o-" if len(s) < 30 else "-", ms=3, lw=1.1, color=color[row["arm"]],
+                    alpha=0.8, label=row["arm"])
+            if row["surge_step"] is not None:
+                ax.axvline(row["surge_step"], color=color[row["arm"]], ls="--", lw=0.8, alpha=0.6)
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        if uniq:
+            ax.legend(uniq.values(), uniq.keys(), fontsize=8)
+        if logy:
+            ax.set_yscale("log")
+        ax.set(title=title + " (dashed: detected surge)", xlabel="step", ylabel=key)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def collect(runs_dir: Path) -> list[tuple[dict, dict]]:
+    """Every ``<runs_dir>/*/metrics.jsonl`` with its ``run.json`` (arm, seed, wall time)."""
+    out = []
+    for path in sorted(runs_dir.glob("*/metrics.jsonl")):
+        metrics = read_jsonl(path)
+        if not metrics:
+            continue
+        info_path = path.parent / "run.json"
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        row = {"run": path.parent.name, "arm": info.get("arm", path.parent.name.rsplit("-s", 1)[0]),
+               "seed": info.get("seed"), "wall_s": info.get("wall_s"), **summarize_run(metrics)}
+        out.append((row, metrics))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=Path, default=REPO_ROOT / "outputs" / "repro" / "runs")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "repro" / "report")
+    p.add_argument("--only", nargs="*", default=None, help="run directory names to include (default all)")
+    args = p.parse_args(argv)
+    runs = [r for r in collect(args.runs) if not args.only or r[0]["run"] in args.only]
+    if not runs:
+        print(f"no runs with a metrics.jsonl under {args.runs}", file=sys.stderr)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = [r for r, _ in runs]
+    text = "## Per arm\n\n" + arm_table(rows) + "\n\n## Per run\n\n" + run_table(rows) + "\n"
+    (args.out / "summary.md").write_text(text)
+    (args.out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
+    paths = plot(runs, args.out)
+    print(text)
+    print("figures: " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

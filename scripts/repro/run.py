@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Run one arm of the reproduction: verl's real ``main_ppo`` on CPU, one run at a time.
+
+Usage:
+    python scripts/repro/run.py --arm const --seed 1 [--steps 100] [--lr 1.5e-4] [--noise 0.03] [overrides ...]
+
+Writes ``outputs/repro/runs/<arm>-s<seed>/metrics.jsonl`` (verl's file logger), the log
+next to it, and ``run.json`` (command, overrides, wall time, return code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/` (verl ships its own `scripts` package)
+from repro.arms import ARMS, arm_overrides  # noqa: E402
+
+from verl_lrstab.cpu.launch import REPO_ROOT, run_main_ppo  # noqa: E402
+
+REWARD_FILE = Path(__file__).resolve().parent / "task.py"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arm", required=True, choices=sorted(ARMS))
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=1.5e-4, help="initial actor LR (default 1.5e-4: learns, pilot 5)")
+    p.add_argument("--noise", type=float, default=0.03, help="weight-noise sigma of the mismatch arms")
+    p.add_argument("--assets", type=Path, default=REPO_ROOT / "outputs" / "repro" / "assets")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "repro" / "runs")
+    p.add_argument("--name", default=None, help="run directory name (default <arm>-s<seed>)")
+    p.add_argument("--timeout", type=float, default=None, help="hard limit in s (default 60 + 6 s per step)")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides")
+    return p.parse_args(argv)
+
+
+def progress_printer(total: int):
+    shown, start = [0], time.monotonic()
+
+    def show(metrics: dict) -> None:
+        for step in sorted(s for s in metrics if s > shown[0]):
+            d = metrics[step]
+            val = next((v for k, v in d.items() if k.startswith("val-core/")), None)
+            print(f"[{time.monotonic() - start:5.0f}s] step {step:3d}/{total} len {d.get('response_length/mean', math.nan):5.1f}"
+                  f" score {d.get('critic/score/mean', math.nan):.3f} lr {d.get('actor/lr', math.nan):.2e}"
+                  f" k3 {d.get('actor/mismatch/k3', math.nan):.2e} surge {int(d.get('actor/lrstab/surge_step', -1))}"
+                  + (f" VAL {val:.3f}" if val is not None else ""), flush=True)
+            shown[0] = step
+
+    return show
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not (args.assets / "model").exists():
+        raise SystemExit(f"no assets under {args.assets}: run python scripts/repro/warmstart.py first")
+    name = args.name or f"{args.arm}-s{args.seed}"
+    run_dir = (args.out / name).resolve()
+    overrides = arm_overrides(args.arm, args.seed, args.steps, args.lr, args.noise) + list(args.overrides)
+    timeout = args.timeout or 60 + 6 * args.steps
+    print(f"run {name}: {' '.join(overrides)}", flush=True)
+    result = run_main_ppo(run_dir, overrides, assets_dir=args.assets, config_name="cpu_demo", timeout_s=timeout,
+                          env={"LRSTAB_REPRO_REWARD": str(REWARD_FILE)}, on_progress=progress_printer(args.steps))
+    info = {"arm": args.arm, "seed": args.seed, "steps": args.steps, "lr": args.lr, "noise": args.noise,
+            "overrides": overrides, "returncode": result.returncode, "timed_out": result.timed_out,
+            "wall_s": round(result.wall_s, 1), "last_step": max(result.metrics, default=0)}
+    (run_dir / "run.json").write_text(json.dumps(info, indent=1))
+    print(f"{name}: rc={result.returncode} wall={result.wall_s:.0f}s steps={info['last_step']} -> {result.metrics_path}")
+    if result.returncode != 0 or result.timed_out:
+        print(result.log_tail(40), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Fast checks of the reproduction's task, reward, arms and report logic (scripts/repro); no main_ppo runs."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+# verl ships a top-level `scripts` package that shadows ours: import `repro` from scripts/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from repro import arms, report, task  # noqa: E402
+
+
+@pytest.mark.parametrize("a,b", [(347, 589), (9999, 1), (5, 7), (0, 0), (120, 4031)])
+def test_worked_answer_is_a_correct_column_addition(a, b):
+    text = task.worked_answer(a, b)
+    steps = text.split(",")
+    assert steps[-1] == f"={a + b}"
+    assert len(steps) - 1 == max(len(str(a)), len(str(b)))
+    digits, carry = [], 0
+    for i, step in enumerate(steps[:-1]):
+        lhs, rhs = step.split("=")
+        terms = [int(t) for t in lhs.split("+")]
+        assert sum(terms) == int(rhs)
+        assert terms[2:] == ([carry] if carry else [])  # the carry is written only when there is one
+        digits.append(int(rhs) % 10)
+        carry = int(rhs) // 10
+    assert int((str(carry) if carry else "") + "".join(map(str, reversed(digits)))) == a + b
+    assert task.compute_score("", text, str(a + b)) == 1.0
+    assert len(text) > len(task.direct_answer(a, b)) + 5  # the worked form is the long one
+
+
+@pytest.mark.parametrize(
+    "response,expected",
+    [("=936", 1.0), ("7+9=16,4+8+1=13,3+5+1=9,=936", 1.0), ("=937", 0.0), ("936", 0.0), ("", 0.0),
+     ("=936 and more", 0.0), ("7+9=16,=93", 0.0), ("=936\n", 1.0)],
+)
+def test_reward_checks_only_the_final_answer(response, expected):
+    assert task.compute_score("lrstab_repro_add", response, "936") == expected
+    assert task.compute_score("lrstab_repro_add", response, 936) == expected
+
+
+def test_reward_does_not_pay_for_length():
+    right_short, right_long = task.direct_answer(347, 589), task.worked_answer(347, 589)
+    assert task.compute_score("", right_short, 936) == task.compute_score("", right_long, 936) == 1.0
+    assert task.answer_mode(right_short) == "direct" and task.answer_mode(right_long) == "worked"
+
+
+def test_problems_respect_digit_bounds():
+    rng = random.Random(0)
+    pairs = [task.make_problem(rng, 2, 4) for _ in range(500)]
+    lengths = {len(str(x)) for p in pairs for x in p}
+    assert lengths == {2, 3, 4}
+    with pytest.raises(ValueError, match="min_digits"):
+        task.make_problem(rng, 3, 2)
+
+
+def test_parquet_has_verls_layout(tmp_path):
+    path = tmp_path / "train.parquet"
+    task.write_parquet(path, [(12, 34), (500, 7)], "train")
+    df = pd.read_parquet(path)
+    assert list(df.columns) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    assert df.loc[1, "reward_model"]["ground_truth"] == "507"
+    assert list(df.loc[0, "prompt"]) == [{"role": "user", "content": "12+34"}]
+
+
+def test_arms_all_carry_mismatch_but_the_control():
+    for name in arms.ARMS:
+        ov = arms.arm_overrides(name, seed=3, steps=50, lr=1e-4, noise=0.02)
+        assert "trainer.use_v1=false" in ov and "data.seed=3" in ov and "trainer.total_training_steps=50" in ov
+        noisy = "actor_rollout_ref.rollout.engine_kwargs.transformers.weight_noise=0.02" in ov
+        bf16 = "actor_rollout_ref.rollout.dtype=bfloat16" in ov
+        assert noisy == bf16 == (name != "control"), name
+    assert any("rollout_is=token" in o for o in arms.arm_overrides("const_tis", 1, 5, 1e-4, 0.0))
+    assert f"{arms.LS}.origin=surge" in arms.arm_overrides("ls_surge", 1, 5, 1e-4, 0.0)
+    with pytest.raises(ValueError, match="allowed values"):
+        arms.arm_overrides("nope", 1, 5, 1e-4, 0.0)
+
+
+@pytest.mark.parametrize(
+    "val,expected",
+    [({0: 0.1, 10: 0.5, 20: 0.6, 30: 0.2, 40: 0.1}, 30),   # falls and stays below half the peak
+     ({0: 0.1, 10: 0.6, 20: 0.2, 30: 0.5}, None),          # recovers: no collapse
+     ({0: 0.1, 10: 0.6, 20: 0.2, 30: 0.5, 40: 0.29, 50: 0.1}, 40),  # the last dip counts from its start
+     ({0: 0.1, 10: 0.6, 20: 0.5, 30: 0.2}, None),          # one low last point is not a collapse
+     ({0: 0.0, 10: 0.03, 20: 0.0}, None),                  # never learned: cannot collapse
+     ({}, None)],
+)
+def test_collapse_rule(val, expected):
+    assert report.collapse_step(val) == expected
+
+
+def test_report_reads_verl_jsonl(tmp_path):
+    run = tmp_path / "runs" / "const-s1"
+    run.mkdir(parents=True)
+    lines = [{"step": 0, "data": {report.VAL_KEY: 0.2}}]
+    for s in range(1, 31):
+        d = {"response_length/mean": 10.0 + s, "actor/mismatch/k3": 1e-3 * s, "actor/lrstab/surge_step": -1 if s < 20 else 20}
+        if s % 10 == 0:
+            d[report.VAL_KEY] = {10: 0.5, 20: 0.2, 30: 0.1}[s]
+        lines.append({"step": s, "data": d})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n{\"step\": 31, \"da")
+    (run / "run.json").write_text(json.dumps({"arm": "const", "seed": 1, "wall_s": 12.0}))
+    assert report.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "rep")]) == 0
+    row = json.loads((tmp_path / "rep" / "summary.json").read_text())[0]
+    assert (row["surge_step"], row["collapse_step"], row["peak_val"], row["final_val"]) == (20, 20, 0.5, 0.1)
+    assert row["len_first10"] == pytest.approx(15.5) and row["len_last10"] == pytest.approx(35.5)
+    assert "| const | 1 | 20 | 1/1 (20) |" in (tmp_path / "rep" / "summary.md").read_text()
+    assert (tmp_path / "rep" / "length.png").stat().st_size > 0
