@@ -127,8 +127,31 @@ def test_metrics_keys_and_no_invented_values():
         ({"patience": 0}, "patience"),
         ({"horizon": "30"}, "horizon"),
         ({"perod_factor": 1.8}, "perod_factor"),
+        ({"monitor_only": "yes"}, "monitor_only"),
+        ({"mismatch_metric": "k1"}, "mismatch_metric"),
     ],
 )
 def test_bad_options_name_the_key_and_allowed_values(options, key):
     with pytest.raises(ValueError, match=rf"length_surge\.{key}.*allowed"):
         LengthSurgeConfig.from_dict(options)
+
+
+def test_monitor_only_reports_the_surge_but_never_decays():
+    res = replay(range(1, 401), surge_series(n=400), {"monitor_only": True})
+    assert res.surge_step is not None and res.decay_period is None
+    assert set(res.lr_scale) == {1.0}
+    sched = LengthSurgeSchedule({"monitor_only": True})
+    for u, v in enumerate(surge_series(n=400), start=1):
+        sched.observe(u, v)
+    m = sched.metrics(400)
+    assert m["lrstab/surge_step"] == res.surge_step and m["lrstab/decay_period"] == -1 and m["lrstab/lr_scale"] == 1.0
+
+
+def test_mismatch_trigger_starts_the_decay_only_when_asked():
+    lengths = [1000.0] * 100
+    kl = [1e-4] * 30 + [1e-2] * 70
+    fired = replay(range(1, 101), lengths, {"trigger": "mismatch", "mismatch_budget": 1e-3}, mismatch_kl=kl)
+    assert fired.surge_step is None and fired.trigger_step is not None and 30 < fired.trigger_step <= 35
+    assert fired.decay_period == decay_period_from_surge(fired.trigger_step, 1.8)
+    ignored = replay(range(1, 101), lengths, {"trigger": "length", "mismatch_budget": 1e-3}, mismatch_kl=kl)
+    assert ignored.trigger_step is None and set(ignored.lr_scale) == {1.0}
