@@ -63,11 +63,7 @@ def plot_curves(curves: Sequence[Curve], title: str, ylabel: str, path: str | Pa
     ax.plot([], [], "k--", lw=1, label="surge")
     ax.plot([], [], "k:", lw=1, label="LR decay")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_replay(values: pd.Series, steps: Sequence[int], lr_scale: Sequence[float], baseline: Sequence[float],
@@ -98,6 +94,11 @@ def plot_replay(values: pd.Series, steps: Sequence[int], lr_scale: Sequence[floa
     ax_lr.step(steps, lr_scale, where="post", color="C2")
     ax_lr.set(xlabel="step", ylabel="LR / initial LR", ylim=(0, 1.05))
     ax_lr.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
+
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
