@@ -98,7 +98,6 @@ def plot_replay(values: pd.Series, steps: Sequence[int], lr_scale: Sequence[floa
 
 
 def _save(fig, path) -> Path:
-
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
