@@ -6,7 +6,6 @@ instead of verl's bare assertion.
 """
 
 import logging
-import sys
 
 
 def load() -> None:
@@ -35,28 +34,9 @@ def _guard_config(cause: BaseException) -> None:
 
         cls.__post_init__ = __post_init__
 
-    if "verl.workers.config" in sys.modules:
-        guard(sys.modules["verl.workers.config"])
-        return
-    import importlib.abc
-    import importlib.util
+    from verl_lrstab._hooks import when_imported
 
-    class _Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname != "verl.workers.config":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            exec_module = spec.loader.exec_module
-
-            def exec_then_guard(module):
-                exec_module(module)
-                guard(module)
-
-            spec.loader.exec_module = exec_then_guard
-            return spec
-
-    sys.meta_path.insert(0, _Finder())
+    when_imported("verl.workers.config", guard)
 
 
 load()

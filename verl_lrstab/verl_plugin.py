@@ -20,14 +20,13 @@ original code unless the engine holds a :class:`LengthSurgeLR`.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import logging
 import math
 import sys
 import threading
 from typing import Callable
 
+from verl_lrstab._hooks import when_imported
 from verl_lrstab.config import SCHEDULER_NAME
 
 logger = logging.getLogger("verl_lrstab")
@@ -47,39 +46,6 @@ def install() -> None:
     when_imported("verl.workers.config", _patch_config)
     when_imported("verl.workers.engine.fsdp.transformer_impl", _patch_engine)
     when_imported("verl.workers.engine_workers", _patch_worker)
-
-
-def when_imported(name: str, hook: Callable) -> None:
-    """Run ``hook(module)`` right after module ``name`` executes (now if already imported)."""
-    if name in sys.modules and getattr(sys.modules[name], "__spec__", None) is not None:
-        module = sys.modules[name]
-        if not getattr(getattr(module, "__spec__", None), "_initializing", False):
-            hook(module)
-            return
-    sys.meta_path.insert(0, _PostImportFinder(name, hook))
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds ``name`` with the other finders, then runs ``hook`` after the module executes."""
-
-    def __init__(self, name: str, hook: Callable):
-        self.name, self.hook = name, hook
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module, hook = spec.loader.exec_module, self.hook
-
-        def exec_then_patch(module):
-            exec_module(module)
-            hook(module)
-
-        spec.loader.exec_module = exec_then_patch
-        return spec
 
 
 # -- 1. the config class -------------------------------------------------------------------------
