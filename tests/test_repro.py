@@ -110,4 +110,19 @@ def test_report_reads_verl_jsonl(tmp_path):
     assert (row["surge_step"], row["collapse_step"], row["peak_val"], row["final_val"]) == (20, 20, 0.5, 0.1)
     assert row["len_first10"] == pytest.approx(15.5) and row["len_last10"] == pytest.approx(35.5)
     assert "| const | 1 | 20 | 1/1 (20) |" in (tmp_path / "rep" / "summary.md").read_text()
-    assert (tmp_path / "rep" / "length.png").stat().st_size > 0
+    assert row["late_val"] == pytest.approx((0.2 + 0.5 + 0.2 + 0.1) / 4)  # fewer than LATE_POINTS validations: all
+    for name in ("overview", "length", "val", "mismatch", "lr"):
+        assert (tmp_path / "rep" / f"{name}.png").stat().st_size > 0
+
+
+def test_all_refuses_a_warm_start_of_another_recipe(tmp_path):
+    from repro import all as repro_all
+
+    (tmp_path / "warmstart.json").write_text(json.dumps({"args": {"steps": 8000, "min_digits": 2, "max_digits": 3,
+                                                                   "worked_fraction": 0.4}}))
+    args = repro_all.parse_args([])
+    args.sft_steps = 8000
+    with pytest.raises(SystemExit, match="min_digits: built 2, asked 3.*max_digits: built 3, asked 4"):
+        repro_all.check_recipe(tmp_path, args)
+    args.min_digits, args.max_digits = 2, 3
+    repro_all.check_recipe(tmp_path, args)  # the same recipe: reused

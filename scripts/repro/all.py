@@ -2,8 +2,8 @@
 """`make repro` / `make repro-ci`: warm start (if missing), every arm x seed one at a time, then the report.
 
 Usage:
-    python scripts/repro/all.py                 # full: 6 arms x 3 seeds x 150 steps (~75-90 min on 2 cores)
-    python scripts/repro/all.py --ci            # CI: small warm start, const + ls_surge, 1 seed, 20 steps
+    python scripts/repro/all.py                 # full: 8000-step warm start, 6 arms x 3 seeds x 150 steps
+    python scripts/repro/all.py --ci            # CI: 600-step warm start, const + ls_surge, 1 seed, 12 steps
     python scripts/repro/all.py --arms const control --seeds 1 2 --steps 100
 
 A run whose ``run.json`` says it finished is not run again (delete its directory to redo it).
@@ -20,9 +20,29 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from repro.arms import ARMS  # noqa: E402
+from repro.arms import ARMS, DEFAULT_LR, DEFAULT_NOISE  # noqa: E402
 
 REPO_ROOT = HERE.parents[1]
+# The warm-start recipe of the committed table (scripts/repro/README.md, "Warm start").
+WARMSTART = {"min_digits": 3, "max_digits": 4, "worked_fraction": 0.4}
+
+
+def warmstart_cmd(py: str, assets: Path, args) -> list[str]:
+    return [py, str(HERE / "warmstart.py"), "--out", str(assets), "--steps", str(args.sft_steps),
+            "--min-digits", str(args.min_digits), "--max-digits", str(args.max_digits),
+            "--worked-fraction", str(args.worked_fraction)]
+
+
+def check_recipe(assets: Path, args) -> None:
+    """Refuse to reuse a warm start built with another recipe: the table would silently mix them."""
+    built = json.loads((assets / "warmstart.json").read_text())["args"]
+    wanted = {"steps": args.sft_steps, "min_digits": args.min_digits, "max_digits": args.max_digits,
+              "worked_fraction": args.worked_fraction}
+    diff = {k: (built.get(k), v) for k, v in wanted.items() if built.get(k) != v}
+    if diff:
+        what = ", ".join(f"{k}: built {b}, asked {w}" for k, (b, w) in diff.items())
+        raise SystemExit(f"{assets} was built with another warm-start recipe ({what}); "
+                         "delete it or pass the recipe it was built with")
 
 
 def parse_args(argv=None):
@@ -31,9 +51,12 @@ def parse_args(argv=None):
     p.add_argument("--arms", nargs="*", default=None, choices=sorted(ARMS))
     p.add_argument("--seeds", nargs="*", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--lr", type=float, default=1.5e-4)
-    p.add_argument("--noise", type=float, default=0.03)
-    p.add_argument("--sft-steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=DEFAULT_LR)
+    p.add_argument("--noise", type=float, default=DEFAULT_NOISE)
+    p.add_argument("--sft-steps", type=int, default=None, help="warm-start steps (default 8000; 600 with --ci)")
+    p.add_argument("--min-digits", type=int, default=WARMSTART["min_digits"])
+    p.add_argument("--max-digits", type=int, default=WARMSTART["max_digits"])
+    p.add_argument("--worked-fraction", type=float, default=WARMSTART["worked_fraction"])
     p.add_argument("--out", type=Path, default=None, help="default outputs/repro (outputs/repro-ci with --ci)")
     return p.parse_args(argv)
 
@@ -48,14 +71,15 @@ def main(argv=None) -> int:
     out = args.out or REPO_ROOT / "outputs" / ("repro-ci" if args.ci else "repro")
     arms = args.arms or (["const", "ls_surge"] if args.ci else list(ARMS))
     seeds = args.seeds or ([1] if args.ci else [1, 2, 3])
-    steps = args.steps or (20 if args.ci else 150)
-    sft_steps = args.sft_steps or (1500 if args.ci else 5000)
+    steps = args.steps or (12 if args.ci else 150)  # CI: validations at 0, 10 and 12
+    args.sft_steps = args.sft_steps or (600 if args.ci else 8000)
     assets, runs = out / "assets", out / "runs"
     py = sys.executable
     start = time.monotonic()
     if not (assets / "warmstart.json").exists():
-        if sh([py, str(HERE / "warmstart.py"), "--out", str(assets), "--steps", str(sft_steps)]) != 0:
+        if sh(warmstart_cmd(py, assets, args)) != 0:
             return 1
+    check_recipe(assets, args)
     failed = []
     for seed in seeds:
         for arm in arms:

@@ -9,7 +9,13 @@ the detector's ``actor/lrstab/*`` and the ``actor/mismatch/*`` figures are still
 
 from __future__ import annotations
 
-LS = "++actor_rollout_ref.actor.optim.length_surge"  # ++: cpu_demo.yaml lists only some options
+LS = "++actor_rollout_ref.actor.optim.length_surge"
+
+# The setting of the committed table (scripts/repro/README.md, pilots 7-8): the largest LR at which
+# the no-mismatch control is stable on the 3-4-digit warm start (1e-3 is not), and a weight noise
+# that separates the mismatch arms from the control (0.03-0.1 did not, on the 2-3-digit task).
+DEFAULT_LR = 5e-4
+DEFAULT_NOISE = 0.3  # ++: cpu_demo.yaml lists only some options
 
 # What every run shares, on top of configs/cpu_demo.yaml (cpu_demo sets hydra.searchpath, so it
 # can only be the primary config: the repro settings are overrides, not a config inheriting it).

@@ -5,8 +5,9 @@ Usage: python scripts/repro/report.py [--runs outputs/repro/runs] [--out outputs
 
 Per run: the surge step (the detector's own ``actor/lrstab/surge_step``, logged by every arm
 since the constant arms run it with ``monitor_only``), the collapse step (rule below), peak
-and final validation accuracy, the mismatch KL (``actor/mismatch/k3``) early and late. Per
-arm: the same, mean +- std over seeds. Figures: one line per run, colour per arm.
+and final validation accuracy, the mean of the last ``LATE_POINTS`` validations, the mismatch
+KL (``actor/mismatch/k3``) early and late. Per arm: the same, mean +- std over seeds. Figures:
+``overview.png`` and one PNG per series, one line per arm (mean over seeds, band min..max).
 
 Collapse rule (:func:`collapse_step`): the first validation step after the peak from which
 the validation accuracy stays below ``COLLAPSE_FRACTION`` (0.5) x peak to the end of the run,
@@ -35,9 +36,10 @@ def val_key(metrics: dict[int, dict]) -> str:
 COLLAPSE_FRACTION = 0.5
 MIN_PEAK = 0.05
 MIN_POINTS = 2
+LATE_POINTS = 5  # late_val: mean of the last 5 validations (one point of 256 samples is noisy)
 SERIES = {  # figure -> (metric, title, log y)
     "length": ("response_length/mean", "mean response length (tokens)", False),
-    "val": (VAL_KEY, "validation accuracy (greedy)", False),
+    "val": (VAL_KEY, "validation accuracy (sampled, mean@n)", False),
     "score": ("critic/score/mean", "training reward (sampled)", False),
     "mismatch": ("actor/mismatch/k3", "mismatch KL k3 (rollout vs trainer)", True),
     "lr": ("actor/lr", "actor LR", False),
@@ -106,6 +108,7 @@ def summarize_run(metrics: dict[int, dict]) -> dict:
         "peak_val": max(val.values()) if val else math.nan,
         "peak_val_step": max(val, key=lambda s: (val[s], -s)) if val else None,
         "final_val": val[max(val)] if val else math.nan,
+        "late_val": _mean([val[s] for s in sorted(val)[-LATE_POINTS:]]),
         "len_first10": _mean([length[s] for s in lsteps[:10]]),
         "len_max10": max((_mean([length[t] for t in lsteps[i:i + 10]]) for i in range(max(1, len(lsteps) - 9))),
                          default=math.nan),
@@ -119,7 +122,7 @@ def _fmt(v) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1e-2 and v != 0 else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+        return f"{v:.3g}"
     return str(v)
 
 
@@ -137,8 +140,9 @@ def arm_table(rows: list[dict]) -> str:
     arms: dict[str, list[dict]] = {}
     for r in rows:
         arms.setdefault(r["arm"], []).append(r)
-    lines = ["| arm | seeds | surge step | collapsed (step) | peak val | final val | len first/peak/last 10 | k3 first/last 10 |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | seeds | surge step | collapsed (step) | peak val | final val | late val | "
+             "len first/peak/last 10 | k3 first/last 10 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for arm, rs in arms.items():
         surges = ", ".join(_fmt(r["surge_step"]) for r in rs)
         coll = [r["collapse_step"] for r in rs]
@@ -146,51 +150,81 @@ def arm_table(rows: list[dict]) -> str:
         lens = " / ".join(_spread([r[k] for r in rs]) for k in ("len_first10", "len_max10", "len_last10"))
         k3 = " / ".join(_spread([r[k] for r in rs]) for k in ("k3_first10", "k3_last10"))
         lines.append(f"| {arm} | {len(rs)} | {surges} | {coll_txt} | {_spread([r['peak_val'] for r in rs])} | "
-                     f"{_spread([r['final_val'] for r in rs])} | {lens} | {k3} |")
+                     f"{_spread([r['final_val'] for r in rs])} | {_spread([r['late_val'] for r in rs])} | {lens} | {k3} |")
     return "\n".join(lines)
 
 
 def run_table(rows: list[dict]) -> str:
-    keys = ["run", "arm", "seed", "last_step", "surge_step", "collapse_step", "peak_val", "peak_val_step", "final_val",
+    keys = ["run", "arm", "seed", "last_step", "surge_step", "collapse_step", "peak_val", "peak_val_step", "final_val", "late_val",
             "len_first10", "len_max10", "len_last10", "k3_first10", "k3_last10", "wall_s"]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in rows]
     return "\n".join(lines)
 
 
+def _arm_band(runs: list[tuple[dict, dict]], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps every run of the arm logged ``key`` at, with the mean, min and max over the runs."""
+    per_run = [series(m, val_key(m) if key == VAL_KEY else key) for _, m in runs]
+    per_run = [s for s in per_run if s]
+    if not per_run:
+        return [], [], [], []
+    steps = sorted(set.intersection(*(set(s) for s in per_run)))
+    cols = [[s[t] for s in per_run] for t in steps]
+    return steps, [_mean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
+
+
 def plot(runs: list[tuple[dict, dict]], out: Path) -> list[Path]:
-    """One PNG per :data:`SERIES` entry; colour per arm, surge steps dashed."""
+    """``overview.png`` (length, validation, mismatch, LR) and one PNG per :data:`SERIES` entry.
+
+    One line per arm: the mean over its seeds, the band from min to max; a tick on the x axis
+    at each run's detected surge.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = sorted({r["arm"] for r, _ in runs})
-    color = {a: f"C{i % 10}" for i, a in enumerate(arms)}
-    paths = []
-    for name, (key, title, logy) in SERIES.items():
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for row, metrics in runs:
-            s = series(metrics, val_key(metrics) if key == VAL_KEY else key)
-            if not s:
+    by_arm: dict[str, list] = {}
+    for row, metrics in runs:
+        by_arm.setdefault(row["arm"], []).append((row, metrics))
+    color = {a: f"C{i % 10}" for i, a in enumerate(by_arm)}
+
+    def draw(ax, key, title, logy):
+        for arm, rs in by_arm.items():
+            steps, mean, lo, hi = _arm_band(rs, key)
+            if not steps:
                 continue
-            ax.plot(list(s), list(s.values()), "o-" if len(s) < 30 else "-", ms=3, lw=1.1, color=color[row["arm"]],
-                    alpha=0.8, label=row["arm"])
-            if row["surge_step"] is not None:
-                ax.axvline(row["surge_step"], color=color[row["arm"]], ls="--", lw=0.8, alpha=0.6)
-        handles, labels = ax.get_legend_handles_labels()
-        uniq = dict(zip(labels, handles))
-        if uniq:
-            ax.legend(uniq.values(), uniq.keys(), fontsize=8)
+            ax.plot(steps, mean, "o-" if len(steps) < 30 else "-", ms=3, lw=1.2, color=color[arm],
+                    label=f"{arm} (n={len(rs)})")
+            if len(rs) > 1:
+                ax.fill_between(steps, lo, hi, color=color[arm], alpha=0.15, lw=0)
+            for r, _ in rs:
+                if r["surge_step"] is not None:
+                    ax.axvline(r["surge_step"], ymax=0.08, color=color[arm], lw=2)
         if logy:
             ax.set_yscale("log")
-        ax.set(title=title + " (dashed: detected surge)", xlabel="step", ylabel=key)
+        ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
+
+    paths = []
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    for ax, name in zip(axes.flat, ("length", "val", "mismatch", "lr")):
+        draw(ax, *SERIES[name])
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("mean over seeds, band min..max; short bars at the bottom: detected surges")
+    fig.tight_layout()
+    paths.append(out / "overview.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    for name, (key, title, logy) in SERIES.items():
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        draw(ax, key, title, logy)
+        ax.legend(fontsize=8)
+        ax.set_ylabel(key)
         fig.tight_layout()
-        path = out / f"{name}.png"
-        fig.savefig(path, dpi=110)
+        paths.append(out / f"{name}.png")
+        fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-        paths.append(path)
     return paths
 
 

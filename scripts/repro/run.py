@@ -2,7 +2,7 @@
 """Run one arm of the reproduction: verl's real ``main_ppo`` on CPU, one run at a time.
 
 Usage:
-    python scripts/repro/run.py --arm const --seed 1 [--steps 100] [--lr 1.5e-4] [--noise 0.03] [overrides ...]
+    python scripts/repro/run.py --arm const --seed 1 [--steps 100] [--lr 5e-4] [--noise 0.3] [overrides ...]
 
 Writes ``outputs/repro/runs/<arm>-s<seed>/metrics.jsonl`` (verl's file logger), the log
 next to it, and ``run.json`` (command, overrides, wall time, return code).
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/` (verl ships its own `scripts` package)
-from repro.arms import ARMS, arm_overrides  # noqa: E402
+from repro.arms import ARMS, DEFAULT_LR, DEFAULT_NOISE, arm_overrides  # noqa: E402
 
 from verl_lrstab.cpu.launch import REPO_ROOT, run_main_ppo  # noqa: E402
 
@@ -30,8 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--arm", required=True, choices=sorted(ARMS))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=1.5e-4, help="initial actor LR (default 1.5e-4: learns, pilot 5)")
-    p.add_argument("--noise", type=float, default=0.03, help="weight-noise sigma of the mismatch arms")
+    p.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"initial actor LR (default {DEFAULT_LR})")
+    p.add_argument("--noise", type=float, default=DEFAULT_NOISE,
+                   help=f"weight-noise sigma of the mismatch arms, x std(param) (default {DEFAULT_NOISE})")
     p.add_argument("--assets", type=Path, default=REPO_ROOT / "outputs" / "repro" / "assets")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "repro" / "runs")
     p.add_argument("--name", default=None, help="run directory name (default <arm>-s<seed>)")

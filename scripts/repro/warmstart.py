@@ -52,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--n-val", type=int, default=64, help="RL validation prompts")
     p.add_argument("--eval-prompts", type=int, default=32, help="prompts sampled 8x each to measure the modes")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: with 2 threads on 2 shared cores it ran >10x slower, measured)")
     return p.parse_args(argv)
 
 
