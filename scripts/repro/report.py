@@ -105,6 +105,7 @@ def summarize_run(metrics: dict[int, dict]) -> dict:
         "last_step": max(metrics, default=0),
         "surge_step": surge[0] if surge else None,
         "collapse_step": collapse_step(val),
+        "start_val": val.get(min(val)) if val else math.nan,  # before any update: the mismatch arms' gap here is eval noise only
         "peak_val": max(val.values()) if val else math.nan,
         "peak_val_step": max(val, key=lambda s: (val[s], -s)) if val else None,
         "final_val": val[max(val)] if val else math.nan,
@@ -140,22 +141,23 @@ def arm_table(rows: list[dict]) -> str:
     arms: dict[str, list[dict]] = {}
     for r in rows:
         arms.setdefault(r["arm"], []).append(r)
-    lines = ["| arm | seeds | surge step | collapsed (step) | peak val | final val | late val | "
+    lines = ["| arm | seeds | surge step | collapsed (step) | start val | peak val | final val | late val | "
              "len first/peak/last 10 | k3 first/last 10 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, rs in arms.items():
         surges = ", ".join(_fmt(r["surge_step"]) for r in rs)
         coll = [r["collapse_step"] for r in rs]
         coll_txt = f"{sum(c is not None for c in coll)}/{len(rs)} (" + ", ".join(_fmt(c) for c in coll) + ")"
         lens = " / ".join(_spread([r[k] for r in rs]) for k in ("len_first10", "len_max10", "len_last10"))
         k3 = " / ".join(_spread([r[k] for r in rs]) for k in ("k3_first10", "k3_last10"))
-        lines.append(f"| {arm} | {len(rs)} | {surges} | {coll_txt} | {_spread([r['peak_val'] for r in rs])} | "
+        lines.append(f"| {arm} | {len(rs)} | {surges} | {coll_txt} | {_spread([r['start_val'] for r in rs])} | "
+                     f"{_spread([r['peak_val'] for r in rs])} | "
                      f"{_spread([r['final_val'] for r in rs])} | {_spread([r['late_val'] for r in rs])} | {lens} | {k3} |")
     return "\n".join(lines)
 
 
 def run_table(rows: list[dict]) -> str:
-    keys = ["run", "arm", "seed", "last_step", "surge_step", "collapse_step", "peak_val", "peak_val_step", "final_val", "late_val",
+    keys = ["run", "arm", "seed", "last_step", "surge_step", "collapse_step", "start_val", "peak_val", "peak_val_step", "final_val", "late_val",
             "len_first10", "len_max10", "len_last10", "k3_first10", "k3_last10", "wall_s"]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in rows]
