@@ -41,7 +41,8 @@ bench: install
 	$(PY) scripts/bench_overhead.py
 	$(PY) scripts/bench_detector.py
 
-## Issue 6, work in progress: CPU-scale reproduction of the collapse (scripts/repro/README.md).
+## CPU-scale reproduction of the paper's comparison (scripts/repro/README.md): 6 arms x 3 seeds;
+## repro-ci is its small form (also run by make test as tests/e2e/test_repro_ci.py).
 repro: install
 	$(PY) scripts/repro/all.py
 

@@ -126,3 +126,16 @@ def test_all_refuses_a_warm_start_of_another_recipe(tmp_path):
         repro_all.check_recipe(tmp_path, args)
     args.min_digits, args.max_digits = 2, 3
     repro_all.check_recipe(tmp_path, args)  # the same recipe: reused
+
+
+def test_all_reuses_a_finished_run_only_with_the_same_setting(tmp_path):
+    from repro import all as repro_all
+
+    info = tmp_path / "run.json"
+    assert not repro_all.finished_run(info, steps=150, lr=5e-4, noise=0.3)  # never ran
+    info.write_text(json.dumps({"returncode": 0, "timed_out": False, "steps": 150, "lr": 5e-4, "noise": 0.3}))
+    assert repro_all.finished_run(info, steps=150, lr=5e-4, noise=0.3)
+    with pytest.raises(SystemExit, match="lr: ran 0.0005, asked 0.001"):
+        repro_all.finished_run(info, steps=150, lr=1e-3, noise=0.3)
+    info.write_text(json.dumps({"returncode": 1, "steps": 150, "lr": 5e-4, "noise": 0.3}))
+    assert not repro_all.finished_run(info, steps=150, lr=5e-4, noise=0.3)  # failed: run again

@@ -45,6 +45,20 @@ def check_recipe(assets: Path, args) -> None:
                          "delete it or pass the recipe it was built with")
 
 
+def finished_run(info_path: Path, **setting) -> bool:
+    """True if the run finished with this setting; a finished run with another one is refused."""
+    if not info_path.exists():
+        return False
+    info = json.loads(info_path.read_text())
+    if info.get("returncode") != 0 or info.get("timed_out"):
+        return False
+    diff = {k: (info.get(k), v) for k, v in setting.items() if info.get(k) != v}
+    if diff:
+        what = ", ".join(f"{k}: ran {b}, asked {w}" for k, (b, w) in diff.items())
+        raise SystemExit(f"{info_path.parent} finished with another setting ({what}); delete it or use another --out")
+    return True
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ci", action="store_true", help="the small version CI runs (< 10 min)")
@@ -80,16 +94,16 @@ def main(argv=None) -> int:
         if sh(warmstart_cmd(py, assets, args)) != 0:
             return 1
     check_recipe(assets, args)
-    failed = []
-    for seed in seeds:
-        for arm in arms:
-            info = runs / f"{arm}-s{seed}" / "run.json"
-            if info.exists() and json.loads(info.read_text()).get("returncode") == 0:
-                continue
-            rc = sh([py, str(HERE / "run.py"), "--arm", arm, "--seed", str(seed), "--steps", str(steps),
-                     "--lr", str(args.lr), "--noise", str(args.noise), "--assets", str(assets), "--out", str(runs)])
-            if rc != 0:
-                failed.append(f"{arm}-s{seed}")
+    failed, todo = [], [(seed, arm) for seed in seeds for arm in arms]
+    for i, (seed, arm) in enumerate(todo, 1):
+        if finished_run(runs / f"{arm}-s{seed}" / "run.json", steps=steps, lr=args.lr, noise=args.noise):
+            continue
+        elapsed = time.monotonic() - start
+        print(f"== repro run {i}/{len(todo)}: {arm}-s{seed} ({elapsed / 60:.0f} min elapsed)", flush=True)
+        rc = sh([py, str(HERE / "run.py"), "--arm", arm, "--seed", str(seed), "--steps", str(steps),
+                 "--lr", str(args.lr), "--noise", str(args.noise), "--assets", str(assets), "--out", str(runs)])
+        if rc != 0:
+            failed.append(f"{arm}-s{seed}")
     rc = sh([py, str(HERE / "report.py"), "--runs", str(runs), "--out", str(out / "report")])
     print(f"repro: {time.monotonic() - start:.0f}s; report in {out / 'report'}" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed or rc else 0
