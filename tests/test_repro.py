@@ -99,7 +99,8 @@ def test_report_reads_verl_jsonl(tmp_path):
     run.mkdir(parents=True)
     lines = [{"step": 0, "data": {report.VAL_KEY: 0.2}}]
     for s in range(1, 31):
-        d = {"response_length/mean": 10.0 + s, "actor/mismatch/k3": 1e-3 * s, "actor/lrstab/surge_step": -1 if s < 20 else 20}
+        d = {"response_length/mean": 10.0 + s, "actor/mismatch/k3": 1e-3 * s, "actor/lrstab/surge_step": -1 if s < 20 else 20,
+             "actor/lrstab/trigger_step": -1 if s < 25 else 25}
         if s % 10 == 0:
             d[report.VAL_KEY] = {10: 0.5, 20: 0.2, 30: 0.1}[s]
         lines.append({"step": s, "data": d})
@@ -107,9 +108,10 @@ def test_report_reads_verl_jsonl(tmp_path):
     (run / "run.json").write_text(json.dumps({"arm": "const", "seed": 1, "wall_s": 12.0}))
     assert report.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "rep")]) == 0
     row = json.loads((tmp_path / "rep" / "summary.json").read_text())[0]
+    assert row["decay_step"] == 25
     assert (row["surge_step"], row["collapse_step"], row["start_val"], row["peak_val"], row["final_val"]) == (20, 20, 0.2, 0.5, 0.1)
     assert row["len_first10"] == pytest.approx(15.5) and row["len_last10"] == pytest.approx(35.5)
-    assert "| const | 1 | 20 | 1/1 (20) | 0.2 | 0.5 | 0.1 |" in (tmp_path / "rep" / "summary.md").read_text()
+    assert "| const | 1 | 20 | 25 | 1/1 (20) | 0.2 | 0.5 | 0.1 |" in (tmp_path / "rep" / "summary.md").read_text()
     assert row["late_val"] == pytest.approx((0.2 + 0.5 + 0.2 + 0.1) / 4)  # fewer than LATE_POINTS validations: all
     for name in ("overview", "length", "val", "mismatch", "lr"):
         assert (tmp_path / "rep" / f"{name}.png").stat().st_size > 0

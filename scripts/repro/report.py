@@ -4,7 +4,8 @@
 Usage: python scripts/repro/report.py [--runs outputs/repro/runs] [--out outputs/repro/report]
 
 Per run: the surge step (the detector's own ``actor/lrstab/surge_step``, logged by every arm
-since the constant arms run it with ``monitor_only``), the collapse step (rule below), peak
+since the constant arms run it with ``monitor_only``), the step the LR decay started
+(``actor/lrstab/trigger_step``: a length surge or the mismatch trigger), the collapse step (rule below), peak
 and final validation accuracy, the mean of the last ``LATE_POINTS`` validations, the mismatch
 KL (``actor/mismatch/k3``) early and late. Per arm: the same, mean +- std over seeds. Figures:
 ``overview.png`` and one PNG per series, one line per arm (mean over seeds, band min..max).
@@ -100,10 +101,12 @@ def summarize_run(metrics: dict[int, dict]) -> dict:
     """The table row of one run (see the module docstring)."""
     val, length, k3 = series(metrics, val_key(metrics)), series(metrics, "response_length/mean"), series(metrics, "actor/mismatch/k3")
     surge = [int(v) for v in series(metrics, "actor/lrstab/surge_step").values() if v >= 0]
+    decay = [int(v) for v in series(metrics, "actor/lrstab/trigger_step").values() if v >= 0]
     lsteps = sorted(length)
     return {
         "last_step": max(metrics, default=0),
         "surge_step": surge[0] if surge else None,
+        "decay_step": decay[0] if decay else None,  # the LR decay's start (length surge or mismatch trigger)
         "collapse_step": collapse_step(val),
         "start_val": val.get(min(val)) if val else math.nan,  # before any update: the mismatch arms' gap here is eval noise only
         "peak_val": max(val.values()) if val else math.nan,
@@ -141,23 +144,24 @@ def arm_table(rows: list[dict]) -> str:
     arms: dict[str, list[dict]] = {}
     for r in rows:
         arms.setdefault(r["arm"], []).append(r)
-    lines = ["| arm | seeds | surge step | collapsed (step) | start val | peak val | final val | late val | "
-             "len first/peak/last 10 | k3 first/last 10 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | seeds | length surge step | LR decay from | collapsed (step) | start val | peak val | final val | "
+             "late val | len first/peak/last 10 | k3 first/last 10 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, rs in arms.items():
         surges = ", ".join(_fmt(r["surge_step"]) for r in rs)
+        decays = ", ".join(_fmt(r["decay_step"]) for r in rs)
         coll = [r["collapse_step"] for r in rs]
         coll_txt = f"{sum(c is not None for c in coll)}/{len(rs)} (" + ", ".join(_fmt(c) for c in coll) + ")"
         lens = " / ".join(_spread([r[k] for r in rs]) for k in ("len_first10", "len_max10", "len_last10"))
         k3 = " / ".join(_spread([r[k] for r in rs]) for k in ("k3_first10", "k3_last10"))
-        lines.append(f"| {arm} | {len(rs)} | {surges} | {coll_txt} | {_spread([r['start_val'] for r in rs])} | "
+        lines.append(f"| {arm} | {len(rs)} | {surges} | {decays} | {coll_txt} | {_spread([r['start_val'] for r in rs])} | "
                      f"{_spread([r['peak_val'] for r in rs])} | "
                      f"{_spread([r['final_val'] for r in rs])} | {_spread([r['late_val'] for r in rs])} | {lens} | {k3} |")
     return "\n".join(lines)
 
 
 def run_table(rows: list[dict]) -> str:
-    keys = ["run", "arm", "seed", "last_step", "surge_step", "collapse_step", "start_val", "peak_val", "peak_val_step", "final_val", "late_val",
+    keys = ["run", "arm", "seed", "last_step", "surge_step", "decay_step", "collapse_step", "start_val", "peak_val", "peak_val_step", "final_val", "late_val",
             "len_first10", "len_max10", "len_last10", "k3_first10", "k3_last10", "wall_s"]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in rows]
@@ -203,6 +207,8 @@ def plot(runs: list[tuple[dict, dict]], out: Path) -> list[Path]:
             for r, _ in rs:
                 if r["surge_step"] is not None:
                     ax.axvline(r["surge_step"], ymax=0.08, color=color[arm], lw=2)
+                if r["decay_step"] is not None and r["decay_step"] != r["surge_step"]:
+                    ax.axvline(r["decay_step"], ymin=0.92, color=color[arm], lw=2)
         if logy:
             ax.set_yscale("log")
         ax.set(title=title, xlabel="step")
@@ -213,7 +219,7 @@ def plot(runs: list[tuple[dict, dict]], out: Path) -> list[Path]:
     for ax, name in zip(axes.flat, ("length", "val", "mismatch", "lr")):
         draw(ax, *SERIES[name])
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle("mean over seeds, band min..max; short bars at the bottom: detected surges")
+    fig.suptitle("mean over seeds, band min..max; short bars: detected length surges (bottom), other LR decay starts (top)")
     fig.tight_layout()
     paths.append(out / "overview.png")
     fig.savefig(paths[-1], dpi=110)
