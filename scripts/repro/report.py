@@ -37,6 +37,7 @@ def val_key(metrics: dict[int, dict]) -> str:
 COLLAPSE_FRACTION = 0.5
 MIN_PEAK = 0.05
 MIN_POINTS = 2
+LINESTYLES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 1, 3, 1))]
 LATE_POINTS = 5  # late_val: mean of the last 5 validations (one point of 256 samples is noisy)
 SERIES = {  # figure -> (metric, title, log y)
     "length": ("response_length/mean", "mean response length (tokens)", False),
@@ -196,14 +197,19 @@ def plot(runs: list[tuple[dict, dict]], out: Path) -> list[Path]:
     color = {a: f"C{i % 10}" for i, a in enumerate(by_arm)}
 
     def draw(ax, key, title, logy):
-        for arm, rs in by_arm.items():
+        for i, (arm, rs) in enumerate(by_arm.items()):
+            style = dict(color=color[arm], ls=LINESTYLES[i % len(LINESTYLES)], lw=1.2)  # arms can coincide exactly
+            if key == "actor/lr":  # a mean of step functions is no run's LR: one line per run
+                for j, (_, m) in enumerate(rs):
+                    s = series(m, key)
+                    ax.plot(list(s), list(s.values()), label=f"{arm} (n={len(rs)})" if j == 0 else None, **style)
+                continue
             steps, mean, lo, hi = _arm_band(rs, key)
             if not steps:
                 continue
-            ax.plot(steps, mean, "o-" if len(steps) < 30 else "-", ms=3, lw=1.2, color=color[arm],
-                    label=f"{arm} (n={len(rs)})")
+            ax.plot(steps, mean, marker="o" if len(steps) < 30 else None, ms=3, label=f"{arm} (n={len(rs)})", **style)
             if len(rs) > 1:
-                ax.fill_between(steps, lo, hi, color=color[arm], alpha=0.15, lw=0)
+                ax.fill_between(steps, lo, hi, color=color[arm], alpha=0.12, lw=0)
             for r, _ in rs:
                 if r["surge_step"] is not None:
                     ax.axvline(r["surge_step"], ymax=0.08, color=color[arm], lw=2)
