@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from verl_lrstab.cpu.assets import build_assets
-from verl_lrstab.cpu.launch import REPO_ROOT, run_main_ppo
+from verl_lrstab.cpu.launch import REPO_ROOT, print_new_steps, run_main_ppo
 
 
 def parse_args(argv=None):
@@ -34,25 +34,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class Progress:
-    """Prints each new step of the JSONL as it appears."""
-
-    def __init__(self, total: int):
-        self.total, self.shown, self.start = total, 0, time.monotonic()
-
-    def __call__(self, metrics: dict) -> None:
-        for step in sorted(s for s in metrics if s > self.shown):
-            d = metrics[step]
-            surge = int(d.get("actor/lrstab/surge_step", -1))
-            mark = f"  SURGE at step {surge}, decay period {int(d['actor/lrstab/decay_period'])}" if surge >= 0 else ""
-            print(
-                f"[{time.monotonic() - self.start:5.0f}s] step {step:3d}/{self.total}"
-                f"  response_length/mean {d.get('response_length/mean', math.nan):6.2f}"
-                f"  actor/lr {d.get('actor/lr', math.nan):.3e}"
-                f"  score {d.get('critic/score/mean', math.nan):.3f}{mark}",
-                flush=True,
-            )
-            self.shown = step
+def describe_step(d: dict) -> str:
+    """The demo's progress line after ``step k/N``: length, LR, score, and the surge once detected."""
+    surge = int(d.get("actor/lrstab/surge_step", -1))
+    mark = f"  SURGE at step {surge}, decay period {int(d['actor/lrstab/decay_period'])}" if surge >= 0 else ""
+    return (f"  response_length/mean {d.get('response_length/mean', math.nan):6.2f}"
+            f"  actor/lr {d.get('actor/lr', math.nan):.3e}"
+            f"  score {d.get('critic/score/mean', math.nan):.3f}{mark}")
 
 
 def plot(metrics: dict, path: Path, title: str) -> Path:
@@ -104,7 +92,7 @@ def main(argv=None) -> int:
         flush=True,
     )
     result = run_main_ppo(
-        args.out, overrides, assets_dir=args.assets, timeout_s=args.timeout, on_progress=Progress(args.steps)
+        args.out, overrides, assets_dir=args.assets, timeout_s=args.timeout, on_progress=print_new_steps(args.steps, describe_step)
     )
     if result.timed_out or result.returncode != 0:
         print(result.log_tail(40), file=sys.stderr)

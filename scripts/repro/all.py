@@ -38,9 +38,8 @@ def check_recipe(assets: Path, args) -> None:
     built = json.loads((assets / "warmstart.json").read_text())["args"]
     wanted = {"steps": args.sft_steps, "min_digits": args.min_digits, "max_digits": args.max_digits,
               "worked_fraction": args.worked_fraction}
-    diff = {k: (built.get(k), v) for k, v in wanted.items() if built.get(k) != v}
-    if diff:
-        what = ", ".join(f"{k}: built {b}, asked {w}" for k, (b, w) in diff.items())
+    what = _differences(built, wanted, "built")
+    if what:
         raise SystemExit(f"{assets} was built with another warm-start recipe ({what}); "
                          "delete it or pass the recipe it was built with")
 
@@ -52,11 +51,15 @@ def finished_run(info_path: Path, **setting) -> bool:
     info = json.loads(info_path.read_text())
     if info.get("returncode") != 0 or info.get("timed_out"):
         return False
-    diff = {k: (info.get(k), v) for k, v in setting.items() if info.get(k) != v}
-    if diff:
-        what = ", ".join(f"{k}: ran {b}, asked {w}" for k, (b, w) in diff.items())
+    what = _differences(info, setting, "ran")
+    if what:
         raise SystemExit(f"{info_path.parent} finished with another setting ({what}); delete it or use another --out")
     return True
+
+
+def _differences(recorded: dict, wanted: dict, verb: str) -> str:
+    """``"key: <verb> X, asked Y"`` for every key of ``wanted`` that ``recorded`` does not match; "" if none."""
+    return ", ".join(f"{k}: {verb} {recorded.get(k)}, asked {v}" for k, v in wanted.items() if recorded.get(k) != v)
 
 
 def parse_args(argv=None):

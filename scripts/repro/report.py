@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from verl_lrstab.cpu.launch import REPO_ROOT, read_metrics
+
 VAL_KEY = "val-core/lrstab_repro_add/acc/mean@1"  # greedy validation; sampled (n=4) logs mean@4
 
 
@@ -46,18 +47,6 @@ SERIES = {  # figure -> (metric, title, log y)
     "mismatch": ("actor/mismatch/k3", "mismatch KL k3 (rollout vs trainer)", True),
     "lr": ("actor/lr", "actor LR", False),
 }
-
-
-def read_jsonl(path: Path) -> dict[int, dict]:
-    """verl's file logger, ``{step: data}``; unfinished lines are skipped."""
-    out = {}
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        out.setdefault(int(rec["step"]), {}).update(rec["data"])
-    return out
 
 
 def series(metrics: dict[int, dict], key: str) -> dict[int, float]:
@@ -246,7 +235,7 @@ def collect(runs_dir: Path) -> list[tuple[dict, dict]]:
     """Every ``<runs_dir>/*/metrics.jsonl`` with its ``run.json`` (arm, seed, wall time)."""
     out = []
     for path in sorted(runs_dir.glob("*/metrics.jsonl")):
-        metrics = read_jsonl(path)
+        metrics = read_metrics(path)
         if not metrics:
             continue
         info_path = path.parent / "run.json"

@@ -14,13 +14,12 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/` (verl ships its own `scripts` package)
 from repro.arms import ARMS, DEFAULT_LR, DEFAULT_NOISE, arm_overrides  # noqa: E402
 
-from verl_lrstab.cpu.launch import REPO_ROOT, run_main_ppo  # noqa: E402
+from verl_lrstab.cpu.launch import REPO_ROOT, print_new_steps, run_main_ppo  # noqa: E402
 
 REWARD_FILE = Path(__file__).resolve().parent / "task.py"
 
@@ -41,20 +40,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def progress_printer(total: int):
-    shown, start = [0], time.monotonic()
-
-    def show(metrics: dict) -> None:
-        for step in sorted(s for s in metrics if s > shown[0]):
-            d = metrics[step]
-            val = next((v for k, v in d.items() if k.startswith("val-core/")), None)
-            print(f"[{time.monotonic() - start:5.0f}s] step {step:3d}/{total} len {d.get('response_length/mean', math.nan):5.1f}"
-                  f" score {d.get('critic/score/mean', math.nan):.3f} lr {d.get('actor/lr', math.nan):.2e}"
-                  f" k3 {d.get('actor/mismatch/k3', math.nan):.2e} surge {int(d.get('actor/lrstab/surge_step', -1))}"
-                  + (f" VAL {val:.3f}" if val is not None else ""), flush=True)
-            shown[0] = step
-
-    return show
+def describe_step(d: dict) -> str:
+    """The progress line after ``step k/N``: length, reward, LR, mismatch k3, surge, validation."""
+    val = next((v for k, v in d.items() if k.startswith("val-core/")), None)
+    return (f" len {d.get('response_length/mean', math.nan):5.1f} score {d.get('critic/score/mean', math.nan):.3f}"
+            f" lr {d.get('actor/lr', math.nan):.2e} k3 {d.get('actor/mismatch/k3', math.nan):.2e}"
+            f" surge {int(d.get('actor/lrstab/surge_step', -1))}" + (f" VAL {val:.3f}" if val is not None else ""))
 
 
 def main(argv=None) -> int:
@@ -67,7 +58,7 @@ def main(argv=None) -> int:
     timeout = args.timeout or 60 + 6 * args.steps
     print(f"run {name}: {' '.join(overrides)}", flush=True)
     result = run_main_ppo(run_dir, overrides, assets_dir=args.assets, config_name="cpu_demo", timeout_s=timeout,
-                          env={"LRSTAB_REPRO_REWARD": str(REWARD_FILE)}, on_progress=progress_printer(args.steps))
+                          env={"LRSTAB_REPRO_REWARD": str(REWARD_FILE)}, on_progress=print_new_steps(args.steps, describe_step))
     info = {"arm": args.arm, "seed": args.seed, "steps": args.steps, "lr": args.lr, "noise": args.noise,
             "overrides": overrides, "returncode": result.returncode, "timed_out": result.timed_out,
             "wall_s": round(result.wall_s, 1), "last_step": max(result.metrics, default=0)}

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.e2e
 
 def test_repro_ci_writes_the_table_and_figures(tmp_path):
     out = tmp_path / "repro-ci"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "repro" / "all.py"), "--ci", "--out", str(out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "repro" / "all.py"), "--ci", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     warm = json.loads((out / "assets" / "warmstart.json").read_text())
@@ -38,6 +38,5 @@ def test_repro_ci_writes_the_table_and_figures(tmp_path):
     for name in ("overview", "length", "val", "mismatch", "lr"):
         assert (out / "report" / f"{name}.png").stat().st_size > 10_000
     # a second call reuses the warm start and the finished runs: only the report is redone
-    again = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "repro" / "all.py"), "--ci", "--out", str(out)],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "run.py" not in again.stdout and "warmstart.py" not in again.stdout

@@ -53,7 +53,8 @@ def cpu_env(assets_dir: os.PathLike, metrics_path: os.PathLike, run_dir: os.Path
 def read_metrics(path: os.PathLike) -> dict[int, dict]:
     """verl's file-logger JSONL (``{"step": N, "data": {...}}`` per line) as ``{step: data}``.
 
-    A line being written while we read (no newline yet) is ignored.
+    A line being written while we read (no newline yet) is ignored; lines of the same step are
+    merged (later values win).
     """
     out: dict[int, dict] = {}
     path = Path(path)
@@ -67,8 +68,25 @@ def read_metrics(path: os.PathLike) -> dict[int, dict]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        out[int(record["step"])] = record["data"]
+        out.setdefault(int(record["step"]), {}).update(record["data"])
     return out
+
+
+def print_new_steps(total: int, describe: Callable[[dict], str]) -> Callable[[dict], None]:
+    """An ``on_progress`` for :func:`run_main_ppo`: one line per step not shown yet.
+
+    Args:
+        total: the run's step count, shown as ``step k/total``.
+        describe: the rest of the line, from that step's logged metrics.
+    """
+    shown, start = [0], time.monotonic()
+
+    def show(metrics: dict) -> None:
+        for step in sorted(s for s in metrics if s > shown[0]):
+            print(f"[{time.monotonic() - start:5.0f}s] step {step:3d}/{total}{describe(metrics[step])}", flush=True)
+            shown[0] = step
+
+    return show
 
 
 @dataclass
