@@ -17,6 +17,7 @@ from verl_lrstab.mismatch import (
     finalize,
     mismatch_metrics,
 )
+from verl_lrstab.bypass import BYPASS_KEY, FirstMiniBatchCapture, is_bypass
 from verl_lrstab.mismatch_trigger import MismatchTrigger
 
 LN2 = math.log(2.0)
@@ -172,7 +173,20 @@ def test_absent_or_empty_rollout_log_probs_give_none():
     assert mismatch_metrics(old, None, mask) is None
     assert mismatch_metrics(old, torch.empty(0), mask) is None
     assert finalize(None) is None
-    assert mismatch_metrics(old, old, mask) is None  # verl's bypass mode: old_log_probs IS rollout_log_probs
+
+
+def test_the_same_tensor_gives_exact_zeros():
+    # verl's bypass mode on the driver: old_log_probs IS rollout_log_probs (verl_lrstab.bypass spots it)
+    old, _, mask = _batch(dtype=torch.float32)
+    m = mismatch_metrics(old, old, mask)
+    assert m["mismatch/max_abs_diff"] == 0.0 and m["mismatch/n_tokens"] == mask.sum().item()
+    assert math.copysign(1.0, m["mismatch/k1"]) == 1.0  # +0.0, not -0.0, in the logs
+
+
+def test_nan_stats_from_a_failed_rank_give_nothing_to_log():
+    old, roll, mask = _batch()
+    stats = compute_stats(old, roll, mask)
+    assert finalize(_combine([stats, torch.full_like(stats, float("nan"))])) is None
 
 
 def test_warn_once_names_the_config_key(caplog):
@@ -245,6 +259,192 @@ def test_all_reduce_is_a_noop_without_a_process_group():
     stats = compute_stats(old, roll, mask)
     assert torch.equal(all_reduce_stats(stats.clone()), stats)
     assert all_reduce_stats(None) is None
+
+
+# -- bypass mode: the first mini-batch's training forward (verl_lrstab.bypass) ----------------------------
+def _micro_batches(old, roll, mask, sizes):
+    """Consecutive row slices of the batch, as verl's micro-batches."""
+    out, start = [], 0
+    for n in sizes:
+        out.append((old[start:start + n], roll[start:start + n], mask[start:start + n], n))
+        start += n
+    return out
+
+
+def test_is_bypass_only_for_bit_identical_figures():
+    old, roll, mask = _batch(dtype=torch.float32)
+    assert is_bypass(mismatch_metrics(old, old.clone(), mask))
+    near = old.clone()
+    near[0, 0] = torch.nextafter(near[0, 0], torch.tensor(0.0))  # one ulp on one token
+    assert not is_bypass(mismatch_metrics(old, near, mask))
+    assert not is_bypass(None)
+    assert not is_bypass(mismatch_metrics(old, roll, mask))
+
+
+def test_capture_covers_exactly_the_first_mini_batch():
+    old, roll, mask = _batch(bs=12, scale=0.3)
+    capture = FirstMiniBatchCapture(n_sequences=6)  # mini-batch 1 = rows 0-5, in micro-batches 2 + 4
+    added = [capture.observe(*mb) for mb in _micro_batches(old, roll, mask, [2, 4, 3, 3])]
+    assert added == [True, True, False, False] and capture.complete
+    capture.reduce()
+    got = capture.metrics()
+    assert got.pop(BYPASS_KEY) == 1.0
+    _assert_same(got, mismatch_metrics(old[:6], roll[:6], mask[:6]), rel=1e-12)
+    assert got["mismatch/n_tokens"] == mask[:6].sum().item() < mask.sum().item()
+
+
+def test_capture_reads_log_probs_that_require_grad_without_touching_the_graph():
+    old, roll, mask = _batch(bs=4, scale=0.2, dtype=torch.float32)
+    log_probs = old.clone().requires_grad_(True)
+    capture = FirstMiniBatchCapture(4)
+    capture.observe(log_probs * 1.0, roll, mask, 4)
+    assert log_probs.grad is None and capture.stats.requires_grad is False
+    capture.reduce()
+    assert capture.metrics()["mismatch/k3"] == pytest.approx(mismatch_metrics(old, roll, mask)["mismatch/k3"], rel=1e-6)
+
+
+def _view(model_output, data):
+    return model_output["log_probs"], data["rollout_log_probs"], data["response_mask"], data["n"]
+
+
+def test_wrapped_loss_returns_verls_result_and_passes_other_calls_through():
+    old, roll, mask = _batch(bs=4, scale=0.2)
+    calls = []
+
+    def loss_fn(model_output=None, data=None, dp_group=None, **kwargs):
+        calls.append(sorted(kwargs) or "loss")
+        return torch.tensor(1.5), {"actor/pg_loss": 1.5}
+
+    capture = FirstMiniBatchCapture(4)
+    wrapped = capture.wrap_loss(loss_fn, _view)
+    batch = {"rollout_log_probs": roll, "response_mask": mask, "n": 4}
+    loss, metrics = wrapped(model_output={"log_probs": old}, data=batch, dp_group=None)
+    assert loss.item() == 1.5 and metrics == {"actor/pg_loss": 1.5}
+    wrapped(student_logits=torch.zeros(1), data=batch)  # verl's logits-processor use of the loss function
+    assert calls == ["loss", ["student_logits"]] and capture.seen == 4
+    capture.reduce()
+    _assert_same({k: v for k, v in capture.metrics().items() if k != BYPASS_KEY}, mismatch_metrics(old, roll, mask))
+
+
+def test_a_failing_view_never_breaks_the_loss_and_logs_nothing(caplog):
+    def loss_fn(model_output=None, data=None, dp_group=None):
+        return torch.tensor(2.0), {}
+
+    capture = FirstMiniBatchCapture(4)
+    wrapped = capture.wrap_loss(loss_fn, lambda mo, d: mo["no_such_key"])
+    with caplog.at_level("WARNING", logger="verl_lrstab"):
+        assert wrapped(model_output={}, data={}, dp_group=None)[0].item() == 2.0
+    assert "could not read" in caplog.text
+    stats = capture.reduce()
+    assert torch.isnan(stats).all() and capture.metrics() is None
+
+
+def test_optimizer_pre_hook_reduces_once_at_the_first_step():
+    old, roll, mask = _batch(bs=8, scale=0.3)
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    capture = FirstMiniBatchCapture(4)
+    seen = []
+    handle = optimizer.register_step_pre_hook(capture.optimizer_pre_hook(on_reduced=seen.append))
+    for mb in _micro_batches(old, roll, mask, [2, 2]):  # mini-batch 1, then its optimizer step
+        capture.observe(*mb)
+    param.grad = torch.ones(3)
+    optimizer.step()
+    assert capture.reduced and len(seen) == 1
+    capture.observe(old[4:], roll[4:], mask[4:], 4)  # mini-batch 2, after the step: ignored
+    optimizer.step()
+    handle.remove()
+    assert len(seen) == 1
+    expected = mismatch_metrics(old[:4], roll[:4], mask[:4])
+    assert seen[0]["mismatch/k3"] == pytest.approx(expected["mismatch/k3"], rel=1e-12)
+    assert seen[0] == capture.metrics()
+
+
+class _Worker:
+    """What the glue hands capture_first_mini_batch: an object whose ``loss_fn`` verl's engine reads."""
+
+    def __init__(self):
+        self.loss_fn = lambda model_output=None, data=None, dp_group=None: (torch.tensor(0.0), {})
+
+    def update(self, batches, optimizer=None, fail=False):
+        for model_output, data in batches:
+            self.loss_fn(model_output=model_output, data=data, dp_group=None)
+            if optimizer is not None:
+                optimizer.step()
+            if fail:
+                raise RuntimeError("verl failed")
+
+
+def test_capture_context_restores_the_loss_and_reduces_at_the_step():
+    from verl_lrstab.bypass import capture_first_mini_batch
+
+    old, roll, mask = _batch(bs=4, scale=0.3)
+    batches = [({"log_probs": old[:2]}, {"rollout_log_probs": roll[:2], "response_mask": mask[:2], "n": 2}),
+               ({"log_probs": old[2:]}, {"rollout_log_probs": roll[2:], "response_mask": mask[2:], "n": 2})]
+    worker, original = _Worker(), None
+    original = worker.loss_fn
+    param = torch.nn.Parameter(torch.zeros(1))
+    param.grad = torch.ones(1)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    seen = []
+    with capture_first_mini_batch(worker, 2, _view, optimizer=optimizer, on_reduced=seen.append) as capture:
+        assert worker.loss_fn is not original
+        worker.update(batches, optimizer)  # two mini-batches of 2, one optimizer step each
+    assert worker.loss_fn is original and not optimizer._optimizer_step_pre_hooks
+    assert len(seen) == 1 and seen[0] == capture.metrics()
+    assert seen[0]["mismatch/k3"] == pytest.approx(mismatch_metrics(old[:2], roll[:2], mask[:2])["mismatch/k3"])
+
+    with pytest.raises(RuntimeError, match="verl failed"):  # verl's error propagates, the loss is restored
+        with capture_first_mini_batch(worker, 2, _view, optimizer=optimizer):
+            worker.update(batches[:1], fail=True)
+    assert worker.loss_fn is original and not optimizer._optimizer_step_pre_hooks
+
+
+def test_capture_context_without_an_optimizer_hook_reduces_late_and_warns(caplog):
+    from verl_lrstab import mismatch as mm
+    from verl_lrstab.bypass import capture_first_mini_batch
+
+    mm._warned.discard("bypass_late")
+    old, roll, mask = _batch(bs=2, scale=0.3)
+    worker, seen = _Worker(), []
+    with caplog.at_level("WARNING", logger="verl_lrstab"):
+        with capture_first_mini_batch(worker, 2, _view, optimizer=object(), on_reduced=seen.append) as capture:
+            worker.update([({"log_probs": old}, {"rollout_log_probs": roll, "response_mask": mask, "n": 2})])
+    assert seen == [] and capture.reduced and "trigger skips" in caplog.text
+    assert capture.metrics()["mismatch/k3"] == pytest.approx(mismatch_metrics(old, roll, mask)["mismatch/k3"])
+
+
+def test_capture_rejects_a_bad_size():
+    with pytest.raises(ValueError, match="n_sequences"):
+        FirstMiniBatchCapture(0)
+
+
+def _bypass_dp_worker(rank, world_size, init_file, out_file, fail_rank):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    old, roll, mask = _batch(bs=8, scale=0.4)
+    rows = slice(4 * rank, 4 * rank + 4)  # each rank: 4 rows, its first mini-batch = 2 rows
+    capture = FirstMiniBatchCapture(2)
+    for mb in _micro_batches(old[rows], roll[rows], mask[rows], [1, 1, 2]):
+        capture.observe(*mb) if rank != fail_rank else capture.observe(mb[0][:, :-1], *mb[1:])
+    capture.reduce()
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(capture.metrics(), f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fail_rank", [-1, 1])
+def test_bypass_capture_all_reduces_over_a_real_gloo_group(tmp_path, fail_rank):
+    out = tmp_path / "out.json"
+    mp.spawn(_bypass_dp_worker, args=(2, str(tmp_path / "init"), str(out), fail_rank), nprocs=2, join=True)
+    got = json.loads(out.read_text())
+    if fail_rank >= 0:
+        assert got is None  # one rank could not measure: no partial figure on any rank
+        return
+    old, roll, mask = _batch(bs=8, scale=0.4)
+    first = [0, 1, 4, 5]  # rank 0's and rank 1's first mini-batches
+    assert got.pop(BYPASS_KEY) == 1.0
+    _assert_same(got, mismatch_metrics(old[first], roll[first], mask[first]), rel=1e-12)
 
 
 # -- agreement with verl's own figures ------------------------------------------------------------------

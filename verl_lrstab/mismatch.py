@@ -62,13 +62,25 @@ WARNINGS = {
         "figures are logged. Set actor_rollout_ref.rollout.calculate_log_probs=true to log them."
     ),
     "bypass": (
-        "verl_lrstab: algorithm.rollout_correction.bypass_mode=true uses the rollout log-probs as "
-        "old_log_probs, so the trainer never recomputes them and no mismatch/* figures are logged."
+        "verl_lrstab: old_log_probs equal rollout_log_probs bit for bit on every response token: "
+        "algorithm.rollout_correction.bypass_mode=true (the trainer reuses the rollout's log-probs), where "
+        "their difference is 0 by construction, not a measurement. mismatch/* now compares the trainer's own log-probs from the forward of the first mini-batch "
+        "(before the optimizer step) with rollout_log_probs; mismatch/n_tokens counts that mini-batch's "
+        "tokens and mismatch/bypass_mode is 1."
     ),
     "identical": (
         "verl_lrstab: old_log_probs equal rollout_log_probs bit for bit on every response token, as "
         "with algorithm.rollout_correction.bypass_mode=true (the trainer reuses the rollout's log-probs): "
         "mismatch/* is then 0 by construction, not a measurement of the two engines."
+    ),
+    "bypass_failed": (
+        "verl_lrstab: bypass mode: the trainer's log-probs of the first mini-batch could not be read, so "
+        "no mismatch/* figures are logged this step (old_log_probs vs rollout_log_probs is 0 by construction)."
+    ),
+    "bypass_late": (
+        "verl_lrstab: bypass mode: the first optimizer step of the update was not seen (skipped for a "
+        "non-finite gradient norm, or an optimizer without step hooks), so this step's mismatch/* figures "
+        "are logged but the mismatch trigger skips them."
     ),
 }
 _warned: set = set()
@@ -88,8 +100,9 @@ def compute_stats(
             padded ``(bs, T)``, a jagged nested tensor, or flat 1-D values with ``offsets``.
         rollout_log_probs: the rollout engine's log-probs (verl ``rollout_log_probs``), same
             layout and shape. None or an empty tensor (while ``old_log_probs`` is not) means the
-            rollout returned none: the result is None, so nothing is logged. The same storage
-            as ``old_log_probs`` (verl's bypass mode on the driver) also gives None.
+            rollout returned none: the result is None, so nothing is logged. Equal values (verl's
+            bypass mode, even the same tensor) give exact zeros, which :mod:`verl_lrstab.bypass`
+            recognises.
         response_mask: non-zero on the response tokens to count, same layout and shape. Values
             at other positions (padding) are ignored even when NaN/inf.
         threshold: ``|d|`` above which a token counts in ``n_over_threshold``; >= 0.
@@ -114,8 +127,6 @@ def compute_stats(
     old, roll, mask, offsets = _as_values(old_log_probs, rollout_log_probs, response_mask, offsets)
     if roll.numel() == 0 and old.numel() != 0:
         return None
-    if old.numel() and _same_storage(old, roll):
-        return None  # the rollout's own log-probs passed as the trainer's: 0 by construction
     device = old.device
     roll, mask = roll.to(device), mask.to(device)  # no-ops when already there (the usual case)
     mask = mask if mask.dtype == torch.bool else mask != 0
@@ -133,7 +144,7 @@ def compute_stats(
     a = d.abs()
     max_abs = a.max() if a.numel() else a.new_zeros(())  # masked are 0, the identity of max(|d|)
     n_over = torch.count_nonzero(a > threshold)
-    sum_k1 = -d.sum()
+    sum_k1 = 0.0 - d.sum()  # not -d.sum(): equal log-probs give k1 = 0.0, not -0.0
     k3 = torch.expm1(d, out=a).sub_(d)  # reuses |d|'s buffer; exactly 0 where d == 0
     sum_k3 = k3.sum()
 
@@ -173,15 +184,16 @@ def finalize(stats: Optional[torch.Tensor], prefix: str = "mismatch/") -> Option
         prefix: key prefix. Default ``"mismatch/"``.
 
     Returns:
-        ``{prefix + name: float}``, or None when ``stats`` is None or covers no response token
-        (nothing to log: no fake zeros). Keys: k1, k3, seq_k1, seq_k3, max_abs_diff,
+        ``{prefix + name: float}``, or None when ``stats`` is None, covers no response token,
+        or holds NaN counts (a rank that could not measure joins the all-reduce with NaN):
+        nothing to log, no fake zeros. Keys: k1, k3, seq_k1, seq_k3, max_abs_diff,
         frac_over_thr, n_tokens, n_nonfinite.
     """
     if stats is None:
         return None
     s = dict(zip(STAT_FIELDS, stats.tolist()))
     n_tokens, n_seqs = s["n_tokens"], s["n_seqs"]
-    if n_tokens <= 0:
+    if not (n_tokens > 0 and math.isfinite(n_tokens)):
         return None
     return {
         prefix + "k1": s["sum_k1"] / n_tokens,
@@ -207,7 +219,7 @@ def mismatch_metrics(
 
 
 def warn_once(reason: str) -> None:
-    """Log the warning for ``reason`` (a key of :data:`WARNINGS`: "missing", "bypass", "identical") once per process."""
+    """Log the warning for ``reason`` (a key of :data:`WARNINGS`) once per process."""
     if reason not in WARNINGS:
         raise ValueError(f"unknown warning reason {reason!r}; allowed: {sorted(WARNINGS)}")
     if reason not in _warned:
@@ -243,11 +255,6 @@ def _as_values(old, roll, mask, offsets):
     if old.dim() not in (1, 2):
         raise ValueError(f"expected (bs, T) or flat 1-D tensors, got shape {tuple(old.shape)}")
     return old, roll, mask, offsets
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride())
 
 
 def _count_sequences(valid: torch.Tensor, offsets: Optional[torch.Tensor]) -> torch.Tensor:
