@@ -14,6 +14,10 @@ from typing import Any, Mapping, Optional
 SCHEDULER_NAME = "length_surge"
 ORIGINS = ("start", "surge")
 TRIGGERS = ("length", "mismatch", "either")
+# ``cusum`` (default): verl_lrstab.cusum; ``ratio``: the rule before v2, verl_lrstab.detector.
+DETECTORS = ("cusum", "ratio")
+# Options read by one detector only: set away from their default under the other one, they are refused.
+RATIO_ONLY = ("fast_window", "horizon", "baseline_window", "ratio_threshold")
 # Non-negative mismatch figures a budget makes sense for (k1 can be negative).
 MISMATCH_METRICS = ("k3", "seq_k3", "max_abs_diff", "frac_over_thr")
 
@@ -41,18 +45,44 @@ class LengthSurgeConfig:
             reports. Default None (the period comes from the detected surge).
         trigger (str): what starts the decay: ``"length"`` (default, the paper), ``"mismatch"``
             (the mismatch KL exceeds its budget) or ``"either"`` (whichever fires first).
+        detector (str): the length-surge test: ``"cusum"`` (default: CUSUM of noise-scaled
+            log-length rises, confirmed by the score / mismatch KL / clip ratio when they are
+            fed; README "The surge detector") or ``"ratio"`` (the rule before v2: level vs a
+            baseline ``horizon`` steps back; its options are the next five).
         skip_first_steps (int): updates ignored by the detector (warmup, format learning).
             Default 10.
-        fast_window (int): span in steps of the median that gives the current length level.
-            Default 5: a single long batch cannot move it.
-        horizon (int): how many steps back the baseline is taken; a rise must happen within
+        fast_window (int): ratio detector: span in steps of the median that gives the current
+            length level. Default 5: a single long batch cannot move it.
+        horizon (int): ratio detector: how many steps back the baseline is taken; a rise must happen within
             about this span to count as a surge. Default 30 (healthy growth of up to ~1.5x
             over 100+ steps gives a ratio of ~1.15 over 30 steps; a surge of 1.8x-4x within
             20-40 steps gives 1.5 and more).
-        baseline_window (int): span in steps of the median that gives the baseline. Default 10.
-        ratio_threshold (float): the surge condition: current level >= ratio_threshold x
-            baseline. Default 1.5, must be > 1.
-        patience (int): consecutive observations that must meet the condition. Default 3.
+        baseline_window (int): ratio detector: span in steps of the median that gives the
+            baseline. Default 10.
+        ratio_threshold (float): ratio detector: the surge condition: current level >=
+            ratio_threshold x baseline. Default 1.5, must be > 1.
+        patience (int): consecutive observations that must meet the condition (ratio detector
+            and mismatch trigger). Default 3.
+        cusum_span (int): cusum: steps in the trailing baseline of the log length. Default 20.
+        cusum_lag (int): cusum: the baseline ends this many steps back. Default 3.
+        cusum_drift (float): cusum: allowance per step, in noise units (> 0). Default 1.0.
+        cusum_threshold (float): cusum: alarm level of the accumulated rise, in noise units (> 0).
+            Default 5.0.
+        cusum_min_rise (float): cusum: the level (median of 5 steps) must also be at least this
+            multiple of the baseline (> 1). Default 1.2.
+        cusum_noise_floor (float): cusum: smallest noise scale of the log length (> 0; 0.05 =
+            5 %). Default 0.05.
+        cusum_rebound_margin (float): cusum, length only: a rise back to below this multiple
+            of the run's earlier high is a rebound, not a surge (> 1). Default 1.3.
+        cusum_rebound_memory (int): cusum: steps back the earlier high is looked for. Default 100.
+        cusum_confirm_steps (int): cusum, with a score: steps an alarm waits for a co-signal.
+            Default 40.
+        cusum_score_z (float): cusum: a score change counts as a fall / rise beyond this many
+            noise units (> 0). Default 3.0.
+        cusum_kl_rise (float): cusum: growth of the mismatch KL (last 5 steps vs 30-60 steps
+            back) that confirms an alarm (> 1). Default 1.5.
+        cusum_clip_rise (float): cusum: rise of ``response_length/clip_ratio`` that confirms an
+            alarm (> 0). Default 0.25.
         max_surges (int): how many surges the detector reports per run. Default 1. The
             schedule always follows the first one; later ones are only reported.
         mismatch_budget (float | None): fixed budget on the mismatch KL for the mismatch
@@ -73,6 +103,7 @@ class LengthSurgeConfig:
     origin: str = "start"
     decay_period: Optional[int] = None
     trigger: str = "length"
+    detector: str = "cusum"
     skip_first_steps: int = 10
     fast_window: int = 5
     horizon: int = 30
@@ -80,6 +111,18 @@ class LengthSurgeConfig:
     ratio_threshold: float = 1.5
     patience: int = 3
     max_surges: int = 1
+    cusum_span: int = 20
+    cusum_lag: int = 3
+    cusum_drift: float = 1.0
+    cusum_threshold: float = 5.0
+    cusum_min_rise: float = 1.2
+    cusum_noise_floor: float = 0.05
+    cusum_rebound_margin: float = 1.3
+    cusum_rebound_memory: int = 100
+    cusum_confirm_steps: int = 40
+    cusum_score_z: float = 3.0
+    cusum_kl_rise: float = 1.5
+    cusum_clip_rise: float = 0.25
     mismatch_budget: Optional[float] = None
     mismatch_budget_factor: float = 4.0
     mismatch_calibration_steps: int = 10
@@ -102,6 +145,23 @@ class LengthSurgeConfig:
             value = getattr(self, key)
             _check(_int(value) and value >= 1, key, value, "an integer >= 1")
         _check(_num(self.ratio_threshold) > 1.0, "ratio_threshold", self.ratio_threshold, "a number > 1")
+        _check(self.detector in DETECTORS, "detector", self.detector, f"one of {list(DETECTORS)}")
+        for key in ("cusum_span", "cusum_rebound_memory", "cusum_confirm_steps"):
+            value = getattr(self, key)
+            _check(_int(value) and value >= 1, key, value, "an integer >= 1")
+        _check(_int(self.cusum_lag) and self.cusum_lag >= 0, "cusum_lag", self.cusum_lag, "an integer >= 0")
+        for key in ("cusum_drift", "cusum_threshold", "cusum_noise_floor", "cusum_score_z", "cusum_clip_rise"):
+            _check(_positive(getattr(self, key)), key, getattr(self, key), "a number > 0")
+        for key in ("cusum_min_rise", "cusum_rebound_margin", "cusum_kl_rise"):
+            value = getattr(self, key)
+            _check(math.isfinite(_num(value)) and _num(value) > 1.0, key, value, "a number > 1")
+        # An option the chosen detector does not read would be a silent no-op: refuse it.
+        defaults = {f.name: f.default for f in fields(self)}
+        unread = RATIO_ONLY if self.detector != "ratio" else [k for k in defaults if k.startswith("cusum_")]
+        for key in unread:
+            _check(getattr(self, key) == defaults[key], key, getattr(self, key),
+                   f"its default {defaults[key]!r} with detector={self.detector!r} (it is read by "
+                   f"detector: {'ratio' if key in RATIO_ONLY else 'cusum'} only)")
         if self.mismatch_budget is not None:
             _check(_positive(self.mismatch_budget), "mismatch_budget", self.mismatch_budget,
                    "null or a number > 0")
@@ -130,10 +190,17 @@ class LengthSurgeConfig:
         return asdict(self)
 
     def detector_kwargs(self) -> dict:
-        """The arguments of :class:`verl_lrstab.detector.SurgeDetector`."""
+        """The arguments of the chosen detector (:class:`verl_lrstab.cusum.CusumDetector` or
+        :class:`verl_lrstab.detector.SurgeDetector`)."""
+        if self.detector == "cusum":
+            out = {k[len("cusum_"):]: getattr(self, k) for k in _CUSUM_KEYS}
+            return {"skip_first_steps": self.skip_first_steps, **out, "max_surges": self.max_surges}
         keys = ("skip_first_steps", "fast_window", "horizon", "baseline_window", "ratio_threshold",
                 "patience", "max_surges")
         return {k: getattr(self, k) for k in keys}
+
+
+_CUSUM_KEYS = [f.name for f in fields(LengthSurgeConfig) if f.name.startswith("cusum_")]
 
 
 def _num(value) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Union
 
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.cusum import CusumDetector
 from verl_lrstab.detector import SurgeDetector, finite_float
 
 logger = logging.getLogger("verl_lrstab")
@@ -71,12 +72,15 @@ class LengthSurgeSchedule:
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
-        self.detector = SurgeDetector(**self.config.detector_kwargs())
+        detector_cls = CusumDetector if self.config.detector == "cusum" else SurgeDetector
+        self.detector = detector_cls(**self.config.detector_kwargs())
         self.mismatch_trigger = _make_mismatch_trigger(self.config)
         self.trigger_step: Optional[int] = None  # the update that started the decay
         self.trigger_source: Optional[str] = None  # "length" or "mismatch"
-        self.response_length = math.nan  # last value consumed
+        self.response_length = math.nan  # last values consumed
         self.mismatch_kl = math.nan
+        self.score = math.nan
+        self.clip_ratio = math.nan
 
     @property
     def surge_step(self) -> Optional[int]:
@@ -93,11 +97,23 @@ class LengthSurgeSchedule:
         return decay_period_from_surge(self.trigger_step, self.config.period_factor)
 
     def observe(self, update: int, response_length: Optional[float] = None,
-                mismatch_kl: Optional[float] = None) -> bool:
-        """Feed the figures of update ``update``; return True if the decay is triggered now."""
+                mismatch_kl: Optional[float] = None, score: Optional[float] = None,
+                clip_ratio: Optional[float] = None) -> bool:
+        """Feed the figures of update ``update``; return True if the decay is triggered now.
+
+        ``score`` (verl's ``critic/score/mean``) and ``clip_ratio`` (``response_length/clip_ratio``)
+        are co-signals of ``detector: cusum``, as is ``mismatch_kl``; None (or NaN) means
+        unavailable. ``detector: ratio`` reads the length only.
+        """
         self.response_length = _or_nan(finite_float(response_length))
         self.mismatch_kl = _or_nan(finite_float(mismatch_kl))
-        length_fired = self.detector.update(update, response_length)
+        self.score = _or_nan(finite_float(score))
+        self.clip_ratio = _or_nan(finite_float(clip_ratio))
+        if isinstance(self.detector, CusumDetector):
+            length_fired = self.detector.update(update, response_length, score=score, kl=mismatch_kl,
+                                                clip_ratio=clip_ratio)
+        else:
+            length_fired = self.detector.update(update, response_length)
         mismatch_fired = False
         if self.mismatch_trigger is not None and mismatch_kl is not None:
             mismatch_fired = self.mismatch_trigger.update(update, mismatch_kl)
@@ -127,22 +143,32 @@ class LengthSurgeSchedule:
 
     def state_dict(self) -> dict:
         state = {
+            "detector_kind": self.config.detector,
             "detector": self.detector.state_dict(),
             "trigger_step": self.trigger_step,
             "trigger_source": self.trigger_source,
             "response_length": self.response_length,
             "mismatch_kl": self.mismatch_kl,
+            "score": self.score,
+            "clip_ratio": self.clip_ratio,
         }
         if self.mismatch_trigger is not None:
             state["mismatch_trigger"] = self.mismatch_trigger.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        kind = state.get("detector_kind", "ratio")  # states saved before v2 hold the ratio detector
+        if kind != self.config.detector:
+            raise ValueError(f"the checkpoint's length-surge state was written by detector {kind!r}, the config "
+                             f"says actor_rollout_ref.actor.optim.length_surge.detector={self.config.detector!r}: "
+                             f"set detector: {kind} to resume this run")
         self.detector.load_state_dict(state["detector"])
         self.trigger_step = state["trigger_step"]
         self.trigger_source = state["trigger_source"]
         self.response_length = state.get("response_length", math.nan)
         self.mismatch_kl = state.get("mismatch_kl", math.nan)
+        self.score = state.get("score", math.nan)
+        self.clip_ratio = state.get("clip_ratio", math.nan)
         if self.mismatch_trigger is not None and "mismatch_trigger" in state:
             self.mismatch_trigger.load_state_dict(state["mismatch_trigger"])
 
@@ -155,8 +181,16 @@ class LengthSurgeSchedule:
             "lrstab/lr_scale": self.scale(completed_updates),
             "lrstab/skipped_steps": self.detector.num_skipped,
         }
-        for key, value in (("response_length", self.response_length), ("baseline", self.detector.baseline),
-                           ("ratio", self.detector.ratio), ("level", self.detector.level)):
+        figures = [("response_length", self.response_length), ("baseline", self.detector.baseline),
+                   ("ratio", self.detector.ratio), ("level", self.detector.level)]
+        if isinstance(self.detector, CusumDetector):
+            d = self.detector
+            out["lrstab/cusum"] = d.cusum
+            out["lrstab/armed_step"] = -1 if d.armed_step is None else d.armed_step
+            figures += [("noise", d.noise), ("score", self.score), ("score_z", d.score_z_now),
+                        ("mismatch_kl", self.mismatch_kl),
+                        ("kl_ratio", d.kl_ratio), ("clip_ratio", self.clip_ratio), ("clip_delta", d.clip_delta)]
+        for key, value in figures:
             if math.isfinite(value):
                 out[f"lrstab/{key}"] = value
         if self.mismatch_trigger is not None and self.mismatch_trigger.budget is not None:
@@ -198,26 +232,36 @@ class ReplayResult:
     baseline: list = field(default_factory=list)
     ratio: list = field(default_factory=list)
     trigger_step: Optional[int] = None
+    cusum: list = field(default_factory=list)  # detector: cusum only
 
 
 def replay(steps: Iterable[int], values: Iterable[Optional[float]],
            config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None, warmup_steps: int = 0,
-           mismatch_kl: Optional[Iterable[Optional[float]]] = None) -> ReplayResult:
-    """Feed a logged series (step numbers as logged) through :class:`LengthSurgeSchedule`."""
+           mismatch_kl: Optional[Iterable[Optional[float]]] = None, score: Optional[Iterable[Optional[float]]] = None,
+           clip_ratio: Optional[Iterable[Optional[float]]] = None) -> ReplayResult:
+    """Feed a logged series (step numbers as logged) through :class:`LengthSurgeSchedule`.
+
+    ``mismatch_kl``, ``score`` and ``clip_ratio`` are aligned with ``steps`` (None/NaN where a
+    step did not log them); left out, they are unavailable.
+    """
     steps = [int(s) for s in steps]
     values = list(values)
-    if len(steps) != len(values):
-        raise ValueError(f"steps and values differ in length: {len(steps)} != {len(values)}")
-    kls = list(mismatch_kl) if mismatch_kl is not None else [None] * len(steps)
+    columns = []
+    for name, col in (("values", values), ("mismatch_kl", mismatch_kl), ("score", score), ("clip_ratio", clip_ratio)):
+        col = list(col) if col is not None else [None] * len(steps)
+        if len(col) != len(steps):
+            raise ValueError(f"steps and {name} differ in length: {len(steps)} != {len(col)}")
+        columns.append(col)
     schedule = LengthSurgeSchedule(config, warmup_steps=warmup_steps)
     result = ReplayResult(surge_step=None, decay_period=None)
-    for step, value, kl in zip(steps, values, kls):
+    for step, value, kl, sc, clip in zip(steps, *columns):
         result.steps.append(step)
         # In force at `step`: decided before this step's own figures are seen.
         result.lr_scale.append(warmup_scale(step - 1, warmup_steps) * schedule.decay_scale(step))
-        schedule.observe(step, value, kl)
+        schedule.observe(step, value, kl, score=sc, clip_ratio=clip)
         result.baseline.append(schedule.detector.baseline)
         result.ratio.append(schedule.detector.ratio)
+        result.cusum.append(getattr(schedule.detector, "cusum", math.nan))
     result.surge_step = schedule.surge_step
     result.trigger_step = schedule.trigger_step
     result.decay_period = schedule.decay_period

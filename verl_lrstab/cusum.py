@@ -1,0 +1,286 @@
+"""``detector: cusum``: a noise-aware surge detector with co-signals (pure Python).
+
+Two stages, every decision from data up to the current step only:
+
+1. **Length alarm.** On log-lengths, a trailing baseline (median of the ``span`` steps that end
+   ``lag`` steps back) and a robust noise scale (1.4826 x their MAD, at least ``noise_floor``)
+   give a z-score per step; a one-sided CUSUM ``S = max(0, S + z - drift)`` accumulates it, so
+   a fast sustained rise crosses ``threshold`` within a few steps while noise and slow drift
+   (absorbed by the trailing baseline) do not. The alarm also needs the level (median of the
+   last 3 steps) at ``min_rise`` x the baseline or more, and is not raised when the run was
+   already at that level before when no score is available (a **rebound**: the highest 3-row
+   median of the last ``rebound_memory`` steps, skipped early steps included, is at least
+   ``min_rise`` x the baseline and the level is below ``rebound_margin`` x it).
+2. **Co-signals.** Without a reward/score, the alarm is the surge. With a score (verl's
+   ``critic/score/mean``), an alarm arms the detector for up to ``confirm_steps`` steps
+   (while the level stays at ``min_rise`` x the alarm's baseline) and it fires on the first
+   step where the score **falls** (its 5-step median is ``score_z`` noise units below the
+   larger of its pre-alarm level and its peak since), or where it is not rising and the
+   mismatch KL has grown ``kl_rise`` x (5-step median vs the median 30-60 steps back) or the
+   clip ratio has risen by ``clip_rise``. A length rise with a rising score is learning and
+   is held; so is one with a flat score and no other sign.
+
+Windows count steps, not rows, so a log written every 5-10 steps uses the same options; a
+baseline needs at least 3 rows (widened back when the span holds fewer). NaN, inf, missing
+and non-positive lengths are skipped; missing co-signals are just unavailable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from statistics import median
+from typing import Optional
+
+from verl_lrstab.detector import finite_float
+
+logger = logging.getLogger("verl_lrstab")
+
+_NAN = float("nan")
+LEVEL_STEPS = 5  # the current level: median of the last 5 steps (two odd batches cannot move it)
+NOW_STEPS = 5  # co-signals "now": median of the last 5 steps
+KL_BACK = (30, 60)  # the mismatch KL's reference: the steps 30-60 back
+MIN_ROWS = 8  # windows of a sparse log are widened back to this many rows (a noise scale needs them)
+SCORE_NOISE_STEPS = 60  # the score's noise scale: MAD over the 60 steps before the baseline ends
+MEDIAN_SD = 1.25  # sd of a median of a few values / sd of their mean (~sqrt(pi / 2))
+
+
+def _window(rows, lo: int) -> list[float]:
+    """Values of ``rows`` (sorted [step, value]) after step ``lo``, widened back to MIN_ROWS rows."""
+    inside = [v for s, v in rows if s > lo]
+    return inside if len(inside) >= MIN_ROWS else [v for _, v in rows[-MIN_ROWS:]]
+
+
+def _mad_scale(values: list[float], center: float) -> float:
+    return 1.4826 * median(abs(v - center) for v in values)
+
+
+class CusumDetector:
+    """Surge detector: CUSUM of robust z-scores of the log length, confirmed by co-signals.
+
+    Args:
+        skip_first_steps (int): steps ``<= skip_first_steps`` never raise an alarm (they still
+            count as the run's earlier level for the rebound test). Default 10.
+        span (int): steps in the trailing baseline. Default 20.
+        lag (int): the baseline ends this many steps before the current step. Default 3.
+        drift (float): CUSUM allowance per step, in noise units. Default 1.0.
+        threshold (float): CUSUM alarm level, in noise units. Default 5.0.
+        min_rise (float): the level must be at least this multiple of the baseline. Default 1.2.
+        noise_floor (float): smallest noise scale, in log units (0.05 = 5 %). Default 0.05.
+        rebound_margin (float): a rise back to below this multiple of the run's earlier high is
+            a rebound, not a surge. Default 1.3.
+        rebound_memory (int): how many steps back the earlier high is looked for. Default 100.
+        confirm_steps (int): how long an alarm waits for the co-signals. Default 40.
+        score_z (float): a score change is a fall or a rise beyond this many noise units. Default 3.
+        kl_rise (float): mismatch-KL growth that confirms an alarm. Default 1.5.
+        clip_rise (float): clip-ratio increase that confirms an alarm. Default 0.25.
+        max_surges (int): surges reported at most. Default 1.
+    """
+
+    def __init__(self, skip_first_steps: int = 10, span: int = 20, lag: int = 3, drift: float = 1.0,
+                 threshold: float = 5.0, min_rise: float = 1.2, noise_floor: float = 0.05,
+                 rebound_margin: float = 1.3, rebound_memory: int = 100, confirm_steps: int = 40,
+                 score_z: float = 3.0, kl_rise: float = 1.5, clip_rise: float = 0.25, max_surges: int = 1):
+        for name, value, low in (("skip_first_steps", skip_first_steps, 0), ("span", span, 1), ("lag", lag, 0),
+                                 ("rebound_memory", rebound_memory, 1), ("confirm_steps", confirm_steps, 1),
+                                 ("max_surges", max_surges, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name, value, low in (("drift", drift, 0.0), ("threshold", threshold, 0.0), ("noise_floor", noise_floor, 0.0),
+                                 ("score_z", score_z, 0.0), ("clip_rise", clip_rise, 0.0)):
+            if finite_float(value) is None or value <= low:
+                raise ValueError(f"{name} must be a number > {low:g}, got {value!r}")
+        for name, value in (("min_rise", min_rise), ("rebound_margin", rebound_margin), ("kl_rise", kl_rise)):
+            if finite_float(value) is None or value <= 1.0:
+                raise ValueError(f"{name} must be a number > 1, got {value!r}")
+        self.skip_first_steps, self.span, self.lag = skip_first_steps, span, lag
+        self.drift, self.threshold, self.min_rise = float(drift), float(threshold), float(min_rise)
+        self.noise_floor, self.rebound_margin = float(noise_floor), float(rebound_margin)
+        self.rebound_memory, self.confirm_steps, self.score_z = rebound_memory, confirm_steps, float(score_z)
+        self.kl_rise, self.clip_rise, self.max_surges = float(kl_rise), float(clip_rise), max_surges
+        # rows (step, value): log lengths, rolling 3-row medians, co-signals
+        self._log: list[list] = []
+        self._high: list[list] = []
+        self._score: list[list] = []
+        self._kl: list[list] = []
+        self._clip: list[list] = []
+        self._cusum = 0.0
+        self._armed: Optional[dict] = None
+        self.surge_steps: list[int] = []
+        self.num_skipped = 0
+        self.last_step: Optional[int] = None
+        self.level = self.baseline = self.ratio = self.noise = _NAN
+        self.score_z_now = self.kl_ratio = self.clip_delta = _NAN
+        self._falls = False
+
+    @property
+    def surge_step(self) -> Optional[int]:
+        return self.surge_steps[0] if self.surge_steps else None
+
+    @property
+    def cusum(self) -> float:
+        return self._cusum
+
+    @property
+    def armed_step(self) -> Optional[int]:
+        return None if self._armed is None else self._armed["step"]
+
+    # -- the update ----------------------------------------------------------------------------
+    def update(self, step: int, value: Optional[float], score: Optional[float] = None,
+               kl: Optional[float] = None, clip_ratio: Optional[float] = None) -> bool:
+        """Feed one step; return True if a surge is reported at this step."""
+        self.last_step = step
+        for rows, v in ((self._score, finite_float(score)), (self._kl, finite_float(kl)),
+                        (self._clip, finite_float(clip_ratio))):
+            if v is not None:
+                rows.append([step, v])
+        number = finite_float(value)
+        if number is None or number <= 0:
+            self.num_skipped += 1
+            logger.warning("verl_lrstab: step %s: response length %r is not a positive finite number; "
+                           "the surge detector skips it", step, value)
+            self._prune(step)
+            return False
+        y = math.log(number)
+        self._log.append([step, y])
+        recent = [v for _, v in self._log[-LEVEL_STEPS:]]
+        self._high.append([step, median(recent)])
+        self._prune(step)
+        if step <= self.skip_first_steps:
+            return False
+        base_rows = self._baseline_rows(step)
+        self.level = math.exp(median(v for s, v in self._log if s > step - LEVEL_STEPS and s > self.skip_first_steps))
+        if len(base_rows) < 3:
+            self.baseline = self.ratio = self.noise = _NAN
+            return False
+        b = median(base_rows)
+        self.noise = max(_mad_scale(base_rows, b), self.noise_floor)
+        self.baseline, self.ratio = math.exp(b), self.level / math.exp(b)
+        self._cusum = max(0.0, self._cusum + (y - b) / self.noise - self.drift)
+        if self._armed is None and self._cusum >= self.threshold and self.ratio >= self.min_rise:
+            self._arm(step, b)
+            if not self._armed["score_n"] and self._rebound(step, b):
+                self._armed = None  # length only: back to a level the run had before
+        if self._armed is not None:
+            fired = self._decide(step)
+        elif self._cusum >= self.threshold / 2 and self.ratio >= (1 + self.min_rise) / 2:
+            # half the length evidence is enough when the score already falls
+            self._armed = {**self._refs(step, b), "z_factor": 1.5}
+            fired = self._decide(step) and self._falls
+            self._armed = None
+        else:
+            return False
+        if fired and len(self.surge_steps) < self.max_surges:
+            self.surge_steps.append(step)
+            self._disarm()
+            return True
+        if self._armed is not None and (self.level < self.min_rise * self._armed["baseline"]
+                                        or step - self._armed["step"] >= self.confirm_steps):
+            self._disarm()
+        return False
+
+    # -- pieces ----------------------------------------------------------------------------------
+    def _prune(self, step: int) -> None:
+        keep = max(self.lag + max(self.span, SCORE_NOISE_STEPS), KL_BACK[1], self.rebound_memory) + 1
+        for rows in (self._log, self._high, self._score, self._kl, self._clip):
+            while len(rows) > 2 * MIN_ROWS and rows[0][0] <= step - keep:
+                rows.pop(0)
+
+    def _baseline_rows(self, step: int) -> list[float]:
+        eligible = [(s, v) for s, v in self._log if self.skip_first_steps < s <= step - self.lag]
+        rows = _window(eligible, step - self.lag - self.span)
+        if not eligible or eligible[-1][0] - eligible[0][0] < self.span // 2:
+            return []  # not enough history yet: a baseline covers at least half the span
+        return rows
+
+    def _rebound(self, step: int, b: float) -> bool:
+        """True if the run was already at least ``min_rise`` x the baseline before (a rebound)."""
+        start = step - self.lag - self.span
+        old = [v for s, v in self._high if s > step - self.rebound_memory and (s <= start or s <= self.skip_first_steps)]
+        if not old or max(old) < b + math.log(self.min_rise):
+            return False
+        return math.log(self.level) < max(old) + math.log(self.rebound_margin)
+
+    @staticmethod
+    def _ref(rows, lo: int, hi: int) -> tuple[float, int, list]:
+        vals = _window([r for r in rows if r[0] <= hi], lo)
+        return (median(vals), len(vals), vals) if vals else (_NAN, 0, vals)
+
+    @staticmethod
+    def _recent(rows, step: int, rows_min: int = 2) -> tuple[float, int]:
+        """Median of the last NOW_STEPS steps (at least ``rows_min`` rows in a sparse log)."""
+        vals = [v for s, v in rows if s > step - NOW_STEPS]
+        if vals and len(vals) < rows_min:
+            vals = [v for _, v in rows[-rows_min:]]
+        return (median(vals), len(vals)) if vals else (_NAN, 0)
+
+    @staticmethod
+    def _median_in(rows, lo: int, hi: int) -> tuple[float, int]:
+        vals = [v for s, v in rows if lo < s <= hi]
+        return (median(vals), len(vals)) if vals else (_NAN, 0)
+
+    def _arm(self, step: int, b: float) -> None:
+        self._armed = self._refs(step, b)
+        logger.info("verl_lrstab: length alarm at step %d (cusum %.1f, level %.4g = %.3g x baseline)", step,
+                    self._cusum, self.level, self.ratio)
+
+    def _refs(self, step: int, b: float) -> dict:
+        lo, hi = step - self.lag - self.span, step - self.lag
+        ref, n_ref, _ = self._ref(self._score, lo, hi)
+        noise = _NAN
+        if n_ref:
+            _, _, vals = self._ref(self._score, hi - SCORE_NOISE_STEPS, hi)
+            noise = max(_mad_scale(vals, median(vals)), 0.01 * abs(ref), 1e-3)
+        clip_ref = self._ref(self._clip, lo, hi)[0]
+        kl_ref = self._ref(self._kl, step - KL_BACK[1], step - KL_BACK[0])[0]
+        return {"step": step, "baseline": math.exp(b), "score_ref": ref, "score_n": n_ref,
+                "score_noise": noise, "score_peak": ref, "kl_ref": kl_ref, "clip_ref": clip_ref, "z_factor": 1.0}
+
+    def _disarm(self) -> None:
+        self._armed = None
+        self._cusum = 0.0
+
+    def _decide(self, step: int) -> bool:
+        a = self._armed
+        self._falls = False
+        now, n_now = self._recent(self._score, step)
+        if not a["score_n"] or not n_now:
+            self.score_z_now = _NAN
+            return True  # no score: the length alarm is the surge
+        unit = MEDIAN_SD * a["score_noise"] * math.sqrt(1 / n_now + 1 / a["score_n"])
+        a["score_peak"] = max(a["score_peak"], now)
+        self.score_z_now = (now - a["score_ref"]) / unit
+        kl_now = self._recent(self._kl, step, rows_min=3)[0]
+        self.kl_ratio = kl_now / a["kl_ref"] if a["kl_ref"] > 0 else _NAN  # NaN compares False
+        self.clip_delta = self._median_in(self._clip, step - NOW_STEPS, step)[0] - a["clip_ref"]
+        # A fall from the pre-alarm level, or from a peak since the alarm that was a clear rise.
+        top = a["score_peak"] if (a["score_peak"] - a["score_ref"]) / unit >= 2 * self.score_z else a["score_ref"]
+        if (top - now) / unit >= self.score_z * a["z_factor"]:
+            self._falls = True
+            return True  # the score falls while the length is up: the pre-collapse signature
+        if self.score_z_now >= self.score_z:
+            return False  # rising score: learning
+        return self.kl_ratio >= self.kl_rise or self.clip_delta >= self.clip_rise
+
+    # -- state ---------------------------------------------------------------------------------
+    _STATE = ("_log", "_high", "_score", "_kl", "_clip", "_cusum", "_armed", "surge_steps", "num_skipped",
+              "last_step", "level", "baseline", "ratio", "noise", "score_z_now", "kl_ratio", "clip_delta")
+
+    def state_dict(self) -> dict:
+        """The full state as plain Python types (safe for ``torch.load(weights_only=True)``)."""
+        out = {}
+        for key in self._STATE:
+            value = getattr(self, key)
+            out[key.lstrip("_")] = ([list(r) for r in value] if key.startswith("_") and isinstance(value, list)
+                                    else dict(value) if isinstance(value, dict) else
+                                    list(value) if isinstance(value, list) else value)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in self._STATE:
+            value = state[key.lstrip("_")]
+            if isinstance(value, list):
+                value = [list(r) if isinstance(r, (list, tuple)) else r for r in value]
+            elif isinstance(value, dict):
+                value = dict(value)
+            setattr(self, key, value)
