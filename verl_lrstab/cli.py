@@ -39,6 +39,11 @@ from verl_lrstab.schedule import ReplayResult, decay_scale, replay
 LENGTH_METRICS = ("response_length/mean", "response_length", "completions/mean_length", "completions_mean_length")
 KL_METRICS = ("mismatch/k3", "actor/mismatch/k3", "mismatch/k1", "actor/mismatch/k1", "rollout_corr/k3_kl",
               "rollout_corr/kl")
+# Co-signals of detector: cusum in a run logged without length_surge (TRL and wandb exports too).
+SCORE_METRICS = ("critic/score/mean", "critic/rewards/mean", "reward", "train/reward")
+CLIP_METRICS = ("response_length/clip_ratio", "completions/clipped_ratio", "completions_clipped_ratio")
+# What a length_surge run's trainer consumed, logged under actor/lrstab/*: replayed as is.
+CONSUMED = {"kl": "actor/lrstab/mismatch_kl", "score": "actor/lrstab/score", "clip": "actor/lrstab/clip_ratio"}
 # compare: figure key -> (title, candidates, log-scale y)
 FIGURES = {
     "length": ("mean response length", LENGTH_METRICS, False),
@@ -48,7 +53,9 @@ FIGURES = {
     "grad_norm": ("grad norm", ("actor/grad_norm", "grad_norm"), True),
     "entropy": ("entropy", ("actor/entropy", "entropy"), False),
     "lr": ("learning rate", ("actor/lr", "learning_rate", "lr"), False),
+    "score": ("training score", SCORE_METRICS, False),
 }
+CRASH_WINDOW = 5  # logged points in the rolling median of the crash rule
 EXIT_ERROR, EXIT_NO_SURGE = 1, 3
 
 if TYPE_CHECKING:
@@ -86,16 +93,26 @@ def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_option_value,
                            default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper() or "VALUE",
                            help=text.replace("``", "").replace("%", "%%"))
-    group.add_argument("--warmup-steps", type=int, default=0, metavar="INT",
+    group.add_argument("--warmup-steps", type=_option_value, default=0, metavar="INT",
                        help="verl's optim.lr_warmup_steps. Default 0.")
+    group.add_argument("--score-metric", metavar="NAME",
+                       help="co-signal of detector cusum: the score/reward metric, or none (default: what a "
+                            f"length_surge run consumed, actor/lrstab/score, else the first of {list(SCORE_METRICS)})")
+    group.add_argument("--clip-metric", metavar="NAME",
+                       help="co-signal of detector cusum: the clip-ratio metric, or none (default: "
+                            f"actor/lrstab/clip_ratio, else the first of {list(CLIP_METRICS)})")
 
 
 def _config(args: argparse.Namespace) -> LengthSurgeConfig:
     options = {f.name: getattr(args, f.name) for f in fields(LengthSurgeConfig) if hasattr(args, f.name)}
+    warmup = args.warmup_steps
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise RunError(f"--warmup-steps={warmup!r} is invalid: allowed values are an integer >= 0")
     try:
         return LengthSurgeConfig.from_dict(options)
     except (ValueError, TypeError) as err:
-        raise RunError(str(err).replace("actor_rollout_ref.actor.optim.length_surge.", "--")) from None
+        raise RunError(re.sub(r"actor_rollout_ref\.actor\.optim\.length_surge\.(\w+)",
+                              lambda m: "--" + m.group(1).replace("_", "-"), str(err))) from None
 
 
 # -- the shared replay ----------------------------------------------------------------------------
@@ -108,18 +125,41 @@ def _length_metric(df, name: str | None) -> str:
     return found
 
 
-def _replay_run(df, metric: str, config: LengthSurgeConfig, warmup_steps: int = 0,
-                kl_metric: str | None = None) -> tuple[ReplayResult, pd.Series]:
-    """Replay the run's length metric (and mismatch KL for the mismatch trigger); also return the series."""
-    values = metric_series(df, metric)
-    kl = None
-    if config.trigger != "length":
-        kl_name = kl_metric or find_metric(df, (f"mismatch/{config.mismatch_metric}",
-                                                f"actor/mismatch/{config.mismatch_metric}") + KL_METRICS)
-        if kl_name is None:
+def _cosignal(df, given: str | None, consumed: str, candidates) -> str | None:
+    """The column of a co-signal: ``given`` (``none``: no column); in a length_surge run what its
+    trainer consumed (``actor/lrstab/...``, nothing if it logged none); else the first candidate."""
+    if given is not None:
+        return None if given.lower() == "none" else given
+    if find_metric(df, ("actor/lrstab/*", "lrstab/*")) is not None:
+        return find_metric(df, (consumed, consumed.removeprefix("actor/")))
+    return find_metric(df, candidates)
+
+
+def cosignal_names(df, config: LengthSurgeConfig, kl_metric=None, score_metric=None, clip_metric=None) -> dict:
+    """``{"kl": name|None, "score": ..., "clip": ...}``: the co-signal columns a replay feeds."""
+    kl_candidates = (f"mismatch/{config.mismatch_metric}", f"actor/mismatch/{config.mismatch_metric}") + KL_METRICS
+    names = {"kl": _cosignal(df, kl_metric, CONSUMED["kl"], kl_candidates), "score": None, "clip": None}
+    if config.trigger != "length" and names["kl"] is None and (kl_metric or "").lower() != "none":
+        names["kl"] = find_metric(df, kl_candidates)  # a run from before lrstab/mismatch_kl was logged
+        if names["kl"] is None:
             raise MissingMetricError(KL_METRICS, df.columns, df.attrs.get("source", "run"))
-        kl = metric_series(df, kl_name).reindex(values.index).tolist()
-    result = replay(values.index.tolist(), values.tolist(), config, warmup_steps=warmup_steps, mismatch_kl=kl)
+    if config.detector == "cusum":
+        names["score"] = _cosignal(df, score_metric, CONSUMED["score"], SCORE_METRICS)
+        names["clip"] = _cosignal(df, clip_metric, CONSUMED["clip"], CLIP_METRICS)
+    elif config.trigger == "length":
+        names["kl"] = None  # the ratio detector reads the length only
+    return names
+
+
+def _replay_run(df, metric: str, config: LengthSurgeConfig, warmup_steps: int = 0, kl_metric: str | None = None,
+                score_metric: str | None = None, clip_metric: str | None = None) -> tuple[ReplayResult, pd.Series]:
+    """Replay the run's length metric with its co-signals (see :func:`cosignal_names`); also return the series."""
+    values = metric_series(df, metric)
+    names = cosignal_names(df, config, kl_metric, score_metric, clip_metric)
+    cols = {key: metric_series(df, name).reindex(values.index).tolist() if name else None
+            for key, name in names.items()}
+    result = replay(values.index.tolist(), values.tolist(), config, warmup_steps=warmup_steps,
+                    mismatch_kl=cols["kl"], score=cols["score"], clip_ratio=cols["clip"])
     return result, values
 
 
@@ -144,7 +184,8 @@ def cmd_replay(args) -> int:
     config = _config(args)
     df = load_run(args.run)
     metric = _length_metric(df, args.metric)
-    result, values = _replay_run(df, metric, config, args.warmup_steps, args.kl_metric)
+    result, values = _replay_run(df, metric, config, args.warmup_steps, args.kl_metric, args.score_metric,
+                                 args.clip_metric)
     if args.plot:
         _plots().plot_replay(values, result.steps, result.lr_scale, result.baseline, result.surge_step, metric,
                              args.plot, title=f"lrstab replay: {Path(args.run).name}")
@@ -186,7 +227,8 @@ def cmd_calibrate(args) -> int:
         raise RunError("calibrate computes decay_period from the run: do not pass --decay-period")
     df = load_run(args.run)
     metric = _length_metric(df, args.metric)
-    result, values = _replay_run(df, metric, config, args.warmup_steps, args.kl_metric)
+    result, values = _replay_run(df, metric, config, args.warmup_steps, args.kl_metric, args.score_metric,
+                                 args.clip_metric)
     print(f"run:    {args.run}")
     print(f"metric: {metric} ({len(values)} values, steps {result.steps[0]}..{result.steps[-1]})")
     print(_surge_line(result))
@@ -233,6 +275,16 @@ def _cap_collapse(length, cap: int | None, fraction: float) -> int | None:
     return _stays_from(length >= fraction * cap) if cap else None
 
 
+def score_crash(score, fraction: float = 0.6, window: int = CRASH_WINDOW) -> int | None:
+    """The reward crash: the first logged step at which the rolling median of the last ``window``
+    logged scores is below ``fraction`` x the highest such median before it. None if it never is,
+    or if the scores are never positive (the rule is for accuracies and 0/1 rewards)."""
+    rolling = score.rolling(window, min_periods=1).median()
+    peak = rolling.cummax().shift(1)
+    crashed = (peak > 0) & (rolling < fraction * peak)
+    return int(crashed.idxmax()) if crashed.any() else None
+
+
 def _labels(runs: list[str], given: list[str]) -> list[str]:
     labels = list(given) + [Path(r).stem if Path(r).suffix else Path(r).name for r in runs[len(given):]]
     seen: dict[str, int] = {}
@@ -249,7 +301,8 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
     length_name = overrides.get("length") or find_metric(df, LENGTH_METRICS)
     marks, collapses = (None, []), []
     if length_name in df.columns:
-        result, length = _replay_run(df, length_name, config, args.warmup_steps)
+        result, length = _replay_run(df, length_name, config, args.warmup_steps, args.kl_metric, args.score_metric,
+                                     args.clip_metric)
         row.update(surge_step=result.surge_step, decay_period=result.decay_period)
         marks = (result.surge_step, _decay_steps(result))
         step = _cap_collapse(length, args.max_response_length, args.cap_fraction)
@@ -272,6 +325,14 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
             collapses.append((step, f"val < {args.collapse_fraction:g} x peak"))
     if collapses:
         row["collapse_step"], row["collapse_rule"] = min(collapses)
+    score_name = overrides.get("score") or find_metric(df, SCORE_METRICS)
+    if score_name in df.columns:
+        crash = score_crash(metric_series(df, score_name), args.crash_fraction)
+        detected = row.get("logged_surge_step", row.get("surge_step"))
+        if crash is not None:
+            row["crash_step"] = crash
+            if detected is not None and not (isinstance(detected, float) and math.isnan(detected)):
+                row["lead"] = crash - int(detected)
     return row, marks
 
 
@@ -280,6 +341,13 @@ def cmd_compare(args) -> int:
 
     plots = _plots()
     config = _config(args)
+    for key in ("collapse_fraction", "cap_fraction", "crash_fraction"):
+        value = getattr(args, key)
+        if not 0 < value <= 1:
+            raise RunError(f"--{key.replace('_', '-')}={value!r} is invalid: allowed values are a number in (0, 1]")
+    if args.max_response_length is not None and args.max_response_length < 1:
+        raise RunError(f"--max-response-length={args.max_response_length!r} is invalid: allowed values are an "
+                       "integer >= 1")
     overrides = {}
     for item in args.metric or []:
         key, sep, name = item.partition("=")
@@ -308,7 +376,7 @@ def cmd_compare(args) -> int:
         print(f"figure: {path}", file=sys.stderr)
 
     columns = ["run", "last_step", "peak_val", "peak_val_step", "final_val", "collapse_step", "collapse_rule",
-               "surge_step", "decay_period", "logged_surge_step", "val_metric"]
+               "surge_step", "decay_period", "logged_surge_step", "crash_step", "lead", "val_metric"]
     table = pd.DataFrame(list(rows)).reindex(columns=columns)
     table.to_csv(out / "summary.csv", index=False)
     md = _markdown(table)
@@ -367,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collapse-fraction", type=float, default=0.5, help="default 0.5")
     p.add_argument("--max-response-length", type=int, help="data.max_response_length of the runs")
     p.add_argument("--cap-fraction", type=float, default=0.9, help="default 0.9")
+    p.add_argument("--crash-fraction", type=float, default=0.6,
+                   help="reward crash: the first step whose 5-point rolling median score is below this x its "
+                        "earlier peak; lead = crash step - detection step. Default 0.6")
+    p.add_argument("--kl-metric", help="mismatch KL metric (default: auto)")
     _add_scheduler_options(p)
     p.set_defaults(func=cmd_compare)
     return parser

@@ -45,10 +45,10 @@ SCORE_NOISE_STEPS = 60  # the score's noise scale: MAD over the 60 steps before 
 MEDIAN_SD = 1.25  # sd of a median of a few values / sd of their mean (~sqrt(pi / 2))
 
 
-def _window(rows, lo: int) -> list[float]:
-    """Values of ``rows`` (sorted [step, value]) after step ``lo``, widened back to MIN_ROWS rows."""
+def _window(rows, lo: int, min_rows: int = MIN_ROWS) -> list[float]:
+    """Values of ``rows`` (sorted [step, value]) after step ``lo``, widened back to ``min_rows`` rows."""
     inside = [v for s, v in rows if s > lo]
-    return inside if len(inside) >= MIN_ROWS else [v for _, v in rows[-MIN_ROWS:]]
+    return inside if len(inside) >= min_rows else [v for _, v in rows[-min_rows:]]
 
 
 def _mad_scale(values: list[float], center: float) -> float:
@@ -183,7 +183,7 @@ class CusumDetector:
     def _prune(self, step: int) -> None:
         keep = max(self.lag + max(self.span, SCORE_NOISE_STEPS), KL_BACK[1], self.rebound_memory) + 1
         for rows in (self._log, self._high, self._score, self._kl, self._clip):
-            while len(rows) > 2 * MIN_ROWS and rows[0][0] <= step - keep:
+            while len(rows) > 24 and rows[0][0] <= step - keep:
                 rows.pop(0)
 
     def _baseline_rows(self, step: int) -> list[float]:
@@ -202,8 +202,8 @@ class CusumDetector:
         return math.log(self.level) < max(old) + math.log(self.rebound_margin)
 
     @staticmethod
-    def _ref(rows, lo: int, hi: int) -> tuple[float, int, list]:
-        vals = _window([r for r in rows if r[0] <= hi], lo)
+    def _ref(rows, lo: int, hi: int, min_rows: int = MIN_ROWS) -> tuple[float, int, list]:
+        vals = _window([r for r in rows if r[0] <= hi], lo, min_rows)
         return (median(vals), len(vals), vals) if vals else (_NAN, 0, vals)
 
     @staticmethod
@@ -229,8 +229,9 @@ class CusumDetector:
         ref, n_ref, _ = self._ref(self._score, lo, hi)
         noise = _NAN
         if n_ref:
-            _, _, vals = self._ref(self._score, hi - SCORE_NOISE_STEPS, hi)
-            noise = max(_mad_scale(vals, median(vals)), 0.01 * abs(ref), 1e-3)
+            _, _, vals = self._ref(self._score, hi - SCORE_NOISE_STEPS, hi, min_rows=20)
+            center = median(vals)  # mean absolute deviation: steadier than the MAD on 10-20 values
+            noise = max(1.2533 * sum(abs(v - center) for v in vals) / len(vals), 0.01 * abs(ref), 1e-3)
         clip_ref = self._ref(self._clip, lo, hi)[0]
         kl_ref = self._ref(self._kl, step - KL_BACK[1], step - KL_BACK[0])[0]
         return {"step": step, "baseline": math.exp(b), "score_ref": ref, "score_n": n_ref,
