@@ -24,8 +24,9 @@ cap and the times within the stated ranges, so the set is not one curve copied:
   surge-and-collapse: firing on either is a detection.
 
 Ground truth goes in ``#`` lines (``class``, ``expect``, ``onset``, ``crash``, ``rise_end``,
-``excursion``). ``python scripts/phenomena.py`` writes ``scripts/traces/classes/*.csv``
-(byte-identical on every run); the benchmark and the tests call :func:`traces` directly.
+``excursion``). ``python scripts/phenomena.py`` writes seed 0 of each class to
+``scripts/traces/classes/*.csv`` (byte-identical on every run; ``lrstab replay`` reads them);
+the benchmark and the tests call :func:`traces` directly.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 LENGTH, SCORE, K3, CLIP = ("response_length/mean", "critic/score/mean", "actor/mismatch/k3",
                            "response_length/clip_ratio")
 CLASSES = "ABCDEFG"
-SEEDS = range(4)
+SEEDS = range(8)
 OUT = Path(__file__).resolve().parent / "traces" / "classes"
 
 
@@ -265,9 +266,10 @@ def write(trace: Trace, out: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per class written (default 1: seed 0)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = traces()
+    runs = traces(seeds=range(args.seeds))
     for tr in runs:
         write(tr, args.out)
     print(f"wrote {len(runs)} runs to {args.out}")

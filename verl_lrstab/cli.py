@@ -160,6 +160,7 @@ def _replay_run(df, metric: str, config: LengthSurgeConfig, warmup_steps: int = 
             for key, name in names.items()}
     result = replay(values.index.tolist(), values.tolist(), config, warmup_steps=warmup_steps,
                     mismatch_kl=cols["kl"], score=cols["score"], clip_ratio=cols["clip"])
+    result.cosignals = {key: name for key, name in names.items() if name}
     return result, values
 
 
@@ -196,6 +197,8 @@ def cmd_replay(args) -> int:
         return 0
     print(f"run:    {args.run}")
     print(f"metric: {metric} ({len(values)} values, steps {result.steps[0]}..{result.steps[-1]})")
+    if config.detector == "cusum" or result.cosignals:
+        print("co-signals: " + (", ".join(result.cosignals.values()) or "none (length only)"))
     print(_surge_line(result))
     if result.decay_period is not None:
         how = "fixed (--decay-period)" if config.decay_period is not None else \
