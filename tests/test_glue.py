@@ -104,16 +104,6 @@ def test_metrics_are_added_to_verl_output():
     assert _with_metrics(None, {"x": 1}) is None
 
 
-def test_bit_identical_log_probs_are_flagged_as_bypass_mode(caplog, monkeypatch):
-    caplog.set_level(logging.WARNING, logger="verl_lrstab")
-    monkeypatch.setattr(mismatch, "_warned", set())
-    data = v0_worker_batch()
-    data["rollout_log_probs"] = data["old_log_probs"].clone()  # what bypass_mode hands the worker
-    got = global_mismatch_metrics(data)
-    assert got["mismatch/k3"] == 0.0 and got["mismatch/max_abs_diff"] == 0.0
-    assert "bypass_mode" in caplog.text and "by construction" in caplog.text
-
-
 def test_v1_synthetic_padding_samples_are_left_out_like_verls_metrics():
     # verl V1 pads a batch to a multiple of the DP size with samples built by
     # construct_minimal_padding_template and skips them (is_padding tag) in response_length/*.

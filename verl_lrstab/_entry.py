@@ -1,11 +1,11 @@
 """The ``verl.plugins`` entry point: verl imports this in every process on ``import verl``.
 
-verl logs a failing plugin at debug level only, so a failure here is reported loudly
-and leaves a guard: a config that names ``length_surge`` then fails with the cause,
-instead of verl's bare assertion.
+Nothing here may break a verl run. verl logs a failing plugin at debug level only, so a
+failure to load the glue goes through :func:`verl_lrstab._hooks.report_failure`: one ERROR
+naming verl's version and the cause, verl's own code left in place, and a guard armed so
+that a config naming ``length_surge`` fails at config time with that cause. Stock configs
+(``constant``, ``cosine``) are untouched.
 """
-
-import logging
 
 
 def load() -> None:
@@ -14,29 +14,9 @@ def load() -> None:
 
         verl_plugin.install()
     except Exception as exc:  # noqa: BLE001 - reported below, verl would swallow it
-        logging.getLogger("verl_lrstab").error("verl-lrstab failed to load; lr_scheduler_type=length_surge will not "
-                                               "work in this process: %r", exc, exc_info=True)
-        _guard_config(exc)
+        from verl_lrstab._hooks import report_failure
 
-
-def _guard_config(cause: BaseException) -> None:
-    """Make ``FSDPOptimizerConfig(lr_scheduler_type='length_surge')`` raise with ``cause``."""
-
-    def guard(module):
-        cls = module.FSDPOptimizerConfig
-        original = cls.__post_init__
-
-        def __post_init__(self):
-            if self.lr_scheduler_type == "length_surge":
-                raise RuntimeError("actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge needs the "
-                                   f"verl-lrstab plugin, which failed to load in this process: {cause!r}") from cause
-            original(self)
-
-        cls.__post_init__ = __post_init__
-
-    from verl_lrstab._hooks import when_imported
-
-    when_imported("verl.workers.config", guard)
+        report_failure("verl_lrstab.verl_plugin (the glue module itself)", exc)
 
 
 load()

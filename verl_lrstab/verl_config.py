@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from verl.workers.config.optimizer import FSDPOptimizerConfig, OptimizerConfig
 
+from verl_lrstab._hooks import check_usable
 from verl_lrstab.config import SCHEDULER_NAME, LengthSurgeConfig
 
 STOCK_SCHEDULERS = ("constant", "cosine")
@@ -45,11 +46,15 @@ class LengthSurgeOptimizerConfig(FSDPOptimizerConfig):
             raise ValueError(f"actor_rollout_ref.actor.optim.lr_scheduler_type={self.lr_scheduler_type!r} is not "
                              f"supported: allowed values are {list(SCHEDULERS)}")
         if self.lr_scheduler_type == SCHEDULER_NAME:
+            check_usable()  # the glue failed to wrap verl in this process: fail now, with the cause
             object.__setattr__(self, "length_surge", LengthSurgeConfig.from_dict(_plain(self.length_surge)))
         elif self.length_surge:
             warnings.warn(f"actor_rollout_ref.actor.optim.length_surge is set but lr_scheduler_type="
                           f"{self.lr_scheduler_type!r}: the length_surge options are ignored", stacklevel=2)
         OptimizerConfig.__post_init__(self)
+
+
+LengthSurgeOptimizerConfig._lrstab_original = FSDPOptimizerConfig  # verl's own class (patches/check_verl.py)
 
 
 def _plain(options):
