@@ -101,12 +101,16 @@ def test_scheduler_options_come_from_the_config_fields(verl_run, capsys):
     scale = dict(zip(*(json.loads(out)[k] for k in ("steps", "lr_scale"))))
     assert code == 0 and scale[110] == 1.0 and scale[111] == 0.5 and scale[309] == 0.25
 
-    code, out, _ = run_cli("replay", verl_run[0], "--json", "--ratio-threshold", "5", capsys=capsys)
-    res = json.loads(out)
-    assert res["surge_step"] is None and res["decay_period"] is None and set(res["lr_scale"]) == {1.0}
+    for options in (["--cusum-min-rise", "5"], ["--detector", "ratio", "--ratio-threshold", "5"]):
+        code, out, _ = run_cli("replay", verl_run[0], "--json", *options, capsys=capsys)
+        res = json.loads(out)
+        assert code == 0 and res["surge_step"] is None and res["decay_period"] is None
+        assert set(res["lr_scale"]) == {1.0}
+    code, out, _ = run_cli("replay", verl_run[0], "--json", "--detector", "ratio", capsys=capsys)
+    assert json.loads(out)["surge_step"] == 112  # the rule before v2 on the same run (test_runs pins both)
 
     # the two-run workflow: a fixed period gives the paper's schedule whatever the run does
-    code, out, _ = run_cli("replay", verl_run[0], "--json", "--decay-period", "198", "--ratio-threshold", "5",
+    code, out, _ = run_cli("replay", verl_run[0], "--json", "--decay-period", "198", "--cusum-min-rise", "5",
                            capsys=capsys)
     res = json.loads(out)
     assert res["decay_period"] == 198 and res["lr_scale"][197] == 0.5  # step 198
@@ -172,7 +176,8 @@ def test_compare_figures_and_summary(verl_run, tmp_path, capsys):
     assert out.startswith("| run |")  # the markdown table on stdout
     if shared.exists():  # a run without validation: still summarized, no invented values
         row = table.loc["fleet_negotiation_9b_length_runaway"]
-        assert pd.isna(row.peak_val) and pd.isna(row.collapse_step) and row.surge_step == 44
+        # cusum needs 3 rows of baseline: this 9-row log has 1 before its runaway (detector ratio: 44)
+        assert pd.isna(row.peak_val) and pd.isna(row.collapse_step) and pd.isna(row.surge_step)
 
 
 def test_compare_length_cap_rule_and_metric_override(tmp_path, capsys):
@@ -233,5 +238,150 @@ def test_compare_reports_what_a_length_surge_run_logged(tmp_path, capsys):
     code, out, err = run_cli("compare", run, "--out", tmp_path / "cmp", capsys=capsys)
     assert code == 0, err
     row = pd.read_csv(tmp_path / "cmp" / "summary.csv").set_index("run").loc["trained"]
-    assert row.logged_surge_step == 12  # what the run did (the replay with defaults says 30)
-    assert row.surge_step == 30
+    assert row.logged_surge_step == 12  # what the run did (the replay with defaults says 34)
+    assert row.surge_step == 34
+
+
+# -- issue 11 item 5: every option exercised and refused by name; issue 10: co-signals and the lead -----
+BAD_VALUES = {
+    "period_factor": "0", "gamma": "1.5", "min_lr_ratio": "0", "origin": "middle", "decay_period": "0",
+    "trigger": "loss", "detector": "zscore", "skip_first_steps": "-1", "fast_window": "0", "horizon": "x",
+    "baseline_window": "2.5", "ratio_threshold": "1", "patience": "0", "max_surges": "0", "cusum_span": "0",
+    "cusum_lag": "-2", "cusum_drift": "0", "cusum_threshold": "-1", "cusum_min_rise": "0.9",
+    "cusum_noise_floor": "0", "cusum_rebound_margin": "1", "cusum_rebound_memory": "0", "cusum_confirm_steps": "x",
+    "cusum_score_z": "nan", "cusum_kl_rise": "1", "cusum_clip_rise": "-0.1", "mismatch_budget": "-1",
+    "mismatch_budget_factor": "0", "mismatch_calibration_steps": "0", "mismatch_metric": "k1",
+    "monitor_only": "maybe",
+}
+
+
+def test_every_scheduler_option_has_a_bad_value_case():
+    assert set(BAD_VALUES) == {f.name for f in fields(LengthSurgeConfig)}
+
+
+@pytest.mark.parametrize("key", sorted(BAD_VALUES))
+@pytest.mark.parametrize("command", ["replay", "calibrate", "compare"])
+def test_bad_option_value_is_refused_naming_the_option(verl_run, tmp_path, capsys, key, command):
+    option = "--" + key.replace("_", "-")
+    extra = ["--out", tmp_path / "o"] if command == "compare" else []
+    code, out, err = run_cli(command, verl_run[0], option, BAD_VALUES[key], *extra, capsys=capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"lrstab: error: {option}=") and "allowed values are" in err, err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--warmup-steps", "-1"], "--warmup-steps=-1 is invalid: allowed values are an integer >= 0"),
+    (["--warmup-steps", "x"], "--warmup-steps='x' is invalid: allowed values are an integer >= 0"),
+    (["--trigger", "mismatch", "--kl-metric", "rollout_corr/nope"], "metric rollout_corr/nope not found"),
+    (["--score-metric", "critic/nope"], "metric critic/nope not found"),
+    (["--clip-metric", "nope"], "metric nope not found"),
+])
+def test_bad_cli_only_values_are_refused_by_name(verl_run, capsys, argv, message):
+    code, out, err = run_cli("replay", verl_run[0], *argv, capsys=capsys)
+    assert code == 1 and out == "" and message in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--collapse-fraction", "0"], "--collapse-fraction=0.0 is invalid: allowed values are a number in (0, 1]"),
+    (["--cap-fraction", "1.5"], "--cap-fraction=1.5 is invalid"),
+    (["--crash-fraction", "-1"], "--crash-fraction=-1.0 is invalid"),
+    (["--max-response-length", "0"], "--max-response-length=0 is invalid: allowed values are an integer >= 1"),
+])
+def test_bad_compare_values_are_refused_by_name(verl_run, tmp_path, capsys, argv, message):
+    code, _, err = run_cli("compare", verl_run[0], "--out", tmp_path / "o", *argv, capsys=capsys)
+    assert code == 1 and message in err
+
+
+def _replay_json(run, *argv, capsys):
+    code, out, err = run_cli("replay", run, "--json", *argv, capsys=capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_trigger_and_kl_metric(verl_run, capsys):
+    # The run logs mismatch/k3 = 1e-4 (1 + step / 100): over a 3e-4 budget from step 201.
+    res = _replay_json(verl_run[0], "--trigger", "mismatch", "--kl-metric", "mismatch/k3", "--mismatch-budget",
+                       "3e-4", capsys=capsys)
+    assert res["surge_step"] == 110 and res["decay_period"] == 364  # started at 202 (patience 3): round(1.8 x 202)
+    res = _replay_json(verl_run[0], "--trigger", "mismatch", capsys=capsys)  # calibrated budget, KL found
+    assert res["decay_period"] == 655  # 364 x 1.8: the calibrated budget 4 x 1.155e-4 is passed at 364
+    res = _replay_json(verl_run[0], "--trigger", "either", "--mismatch-budget", "3e-4", capsys=capsys)
+    assert res["decay_period"] == 198  # the length surge at 110 comes first
+
+
+def test_monitor_only_and_warmup_steps(verl_run, capsys):
+    res = _replay_json(verl_run[0], "--monitor-only", "true", capsys=capsys)
+    assert res["surge_step"] == 110 and res["decay_period"] is None and set(res["lr_scale"]) == {1.0}
+    res = _replay_json(verl_run[0], "--warmup-steps", "4", capsys=capsys)
+    assert res["lr_scale"][:6] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0] and res["lr_scale"][197] == 0.5
+
+
+CLASS_A = ROOT / "scripts" / "traces" / "classes" / "A_s0.csv"  # scripts/phenomena.py, seed 0
+
+
+@pytest.fixture(scope="module")
+def class_a_run(tmp_path_factory):
+    """Class A (seed 0) logged by verl's FileLogger and TensorBoard adapter, with its co-signal columns."""
+    from verl.utils.tracking import Tracking
+
+    from verl_lrstab.runs import load_run
+
+    df = load_run(CLASS_A)
+    d = tmp_path_factory.mktemp("class_a")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VERL_FILE_LOGGER_PATH", str(d / "a.jsonl"))
+    mp.setenv("TENSORBOARD_DIR", str(d / "tb"))
+    try:
+        tracker = Tracking(project_name="lrstab_test", experiment_name="a", default_backend=["file", "tensorboard"])
+        for step, row in df.iterrows():
+            tracker.log({k: float(v) for k, v in row.items()}, step=int(step))
+        tracker.finish()
+    finally:
+        mp.undo()
+    return d / "a.jsonl", d / "tb"
+
+
+def test_cosignals_read_from_jsonl_tensorboard_and_csv(class_a_run, capsys):
+    jsonl, tb = class_a_run
+    for run in (jsonl, tb, CLASS_A):
+        assert _replay_json(run, capsys=capsys)["surge_step"] == 131  # tests/test_detector.py pins the same
+        none = ("--score-metric", "none", "--kl-metric", "none", "--clip-metric", "none")
+        assert _replay_json(run, *none, capsys=capsys)["surge_step"] == 135  # length only: 4 steps later
+    code, out, _ = run_cli("replay", CLASS_A, capsys=capsys)
+    assert "co-signals: actor/mismatch/k3, critic/score/mean, response_length/clip_ratio" in out
+    assert "surge: step 131" in out
+
+
+def test_a_length_surge_run_replays_what_its_trainer_consumed(tmp_path, capsys):
+    # A run of the scheduler logs actor/lrstab/*: replay feeds its actor/lrstab/score (what the trainer
+    # saw), never critic/score/mean, which that trainer may not have received.
+    lengths = [1000.0] * 60 + [1800.0] * 60
+    rising = [0.4 + (0.01 * (s - 58) if s >= 58 else 0.0) + 0.002 * (s % 3) for s in range(1, 121)]
+    rows = "".join(f"{s},{v},{sc},-1\n" for s, (v, sc) in enumerate(zip(lengths, rising), 1))
+    fed = tmp_path / "fed.csv"
+    fed.write_text("step,response_length/mean,actor/lrstab/score,actor/lrstab/surge_step\n" + rows)
+    not_fed = tmp_path / "not_fed.csv"
+    not_fed.write_text("step,response_length/mean,critic/score/mean,actor/lrstab/surge_step\n" + rows)
+    plain = tmp_path / "plain.csv"
+    plain.write_text("step,response_length/mean,critic/score/mean\n"
+                     + "".join(f"{s},{v},{sc}\n" for s, (v, sc) in enumerate(zip(lengths, rising), 1)))
+    assert _replay_json(fed, capsys=capsys)["surge_step"] is None  # rising score: learning, held
+    assert _replay_json(not_fed, capsys=capsys)["surge_step"] == 63  # the trainer saw the length only
+    assert _replay_json(plain, capsys=capsys)["surge_step"] is None  # any verl run: critic/score/mean
+    assert _replay_json(plain, "--score-metric", "none", capsys=capsys)["surge_step"] == 63
+
+
+def test_compare_reports_the_crash_and_the_lead(class_a_run, tmp_path, capsys):
+    jsonl, _ = class_a_run
+    code, out, err = run_cli("compare", jsonl, CLASS_A, "--label", "jsonl", "--label", "csv", "--out", tmp_path / "c",
+                             capsys=capsys)
+    assert code == 0, err
+    table = pd.read_csv(tmp_path / "c" / "summary.csv").set_index("run")
+    for label in ("jsonl", "csv"):
+        row = table.loc[label]
+        # crash rule: 5-point rolling median of the score < 0.6 x its earlier peak (accuracy ~0.85 -> ~0.5)
+        assert row.surge_step == 131 and row.crash_step == 142 and row.lead == 11
+    assert (tmp_path / "c" / "score.png").exists()
+    code, _, _ = run_cli("compare", CLASS_A, "--crash-fraction", "0.3", "--out", tmp_path / "d", capsys=capsys)
+    row = pd.read_csv(tmp_path / "d" / "summary.csv").iloc[0]
+    assert code == 0 and row.crash_step > 142 and row.lead == row.crash_step - 131

@@ -129,6 +129,27 @@ def test_metrics_keys_and_no_invented_values():
         ({"perod_factor": 1.8}, "perod_factor"),
         ({"monitor_only": "yes"}, "monitor_only"),
         ({"mismatch_metric": "k1"}, "mismatch_metric"),
+        ({"detector": "zscore"}, "detector"),
+        ({"detector": None}, "detector"),
+        ({"cusum_span": 0}, "cusum_span"),
+        ({"cusum_lag": -1}, "cusum_lag"),
+        ({"cusum_lag": 1.5}, "cusum_lag"),
+        ({"cusum_drift": 0}, "cusum_drift"),
+        ({"cusum_threshold": "5"}, "cusum_threshold"),
+        ({"cusum_min_rise": 1.0}, "cusum_min_rise"),
+        ({"cusum_noise_floor": -0.05}, "cusum_noise_floor"),
+        ({"cusum_rebound_margin": 0.5}, "cusum_rebound_margin"),
+        ({"cusum_rebound_memory": 0}, "cusum_rebound_memory"),
+        ({"cusum_confirm_steps": True}, "cusum_confirm_steps"),
+        ({"cusum_score_z": float("nan")}, "cusum_score_z"),
+        ({"cusum_kl_rise": float("inf")}, "cusum_kl_rise"),
+        ({"cusum_clip_rise": 0}, "cusum_clip_rise"),
+        # an option the chosen detector never reads is refused, not ignored
+        ({"horizon": 8}, "horizon"),
+        ({"fast_window": 3}, "fast_window"),
+        ({"baseline_window": 3}, "baseline_window"),
+        ({"ratio_threshold": 2.0}, "ratio_threshold"),
+        ({"detector": "ratio", "cusum_span": 10}, "cusum_span"),
     ],
 )
 def test_bad_options_name_the_key_and_allowed_values(options, key):
@@ -155,3 +176,67 @@ def test_mismatch_trigger_starts_the_decay_only_when_asked():
     assert fired.decay_period == decay_period_from_surge(fired.trigger_step, 1.8)
     ignored = replay(range(1, 101), lengths, {"trigger": "length", "mismatch_budget": 1e-3}, mismatch_kl=kl)
     assert ignored.trigger_step is None and set(ignored.lr_scale) == {1.0}
+
+
+# -- detector choice, co-signals, resume (detector: cusum is the default) -----------------------------
+def test_default_detector_is_cusum_and_ratio_replays_the_old_rule_exactly():
+    import random
+
+    from verl_lrstab.cusum import CusumDetector
+    from verl_lrstab.detector import SurgeDetector
+
+    assert LengthSurgeConfig().detector == "cusum" and isinstance(LengthSurgeSchedule().detector, CusumDetector)
+    rng = random.Random(3)
+    values = [1000.0 * (1 + rng.gauss(0, 0.05)) * (1 + 1.5 * min(max(s - 120, 0), 20) / 20) for s in range(1, 301)]
+    options = {"detector": "ratio", "horizon": 20, "patience": 2}
+    det = SurgeDetector(**{k: v for k, v in LengthSurgeConfig(**options).detector_kwargs().items()})
+    old = [s for s, v in enumerate(values, 1) if det.update(s, v)]
+    res = replay(range(1, 301), values, options)
+    assert old == [res.surge_step] == [130]
+    assert replay(range(1, 301), values).surge_step == 126  # cusum, length only, on the same run
+
+
+def test_cusum_state_round_trip_mid_surge_and_metrics_are_plain_numbers():
+    import json
+
+    rng = __import__("random").Random(5)
+    lengths = [1000.0 * (1.8 if u >= 80 else 1.0) * (1 + rng.gauss(0, 0.04)) for u in range(1, 301)]
+    score = [0.6 + (0.004 * (u - 75) if u >= 75 else 0.0) + rng.gauss(0, 0.01) for u in range(1, 301)]
+    kl = [1e-3 * (1 + 0.01 * u) for u in range(1, 301)]
+    a = LengthSurgeSchedule({"origin": "surge"})
+    for u in range(1, 86):
+        a.observe(u, lengths[u - 1], kl[u - 1], score=score[u - 1], clip_ratio=0.01)
+    assert a.detector.armed_step == 82 and a.trigger_step is None  # held: the score rises
+    m = a.metrics(85)
+    assert m["lrstab/armed_step"] == 82 and m["lrstab/cusum"] > 5 and m["lrstab/score_z"] > 3
+    assert all(type(v) in (int, float) and math.isfinite(v) for v in m.values()), m  # averageable by verl
+    b = LengthSurgeSchedule({"origin": "surge"})
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    for u in range(86, 301):
+        sc = score[u - 1] - (0.3 if u >= 110 else 0.0)  # then the score crashes
+        fa = a.observe(u, lengths[u - 1], kl[u - 1], score=sc, clip_ratio=0.01)
+        fb = b.observe(u, lengths[u - 1], kl[u - 1], score=sc, clip_ratio=0.01)
+        assert fa == fb and a.scale(u) == b.scale(u) and a.metrics(u) == b.metrics(u)
+    assert json.dumps(a.state_dict()) == json.dumps(b.state_dict())
+    assert a.trigger_step == 112  # the fall (from step 110) confirmed the alarm
+
+
+def test_resuming_with_another_detector_is_refused_by_name():
+    state = LengthSurgeSchedule({"detector": "ratio"}).state_dict()
+    with pytest.raises(ValueError, match=r"detector 'ratio'.*length_surge\.detector='cusum'.*set detector: ratio"):
+        LengthSurgeSchedule().load_state_dict(state)
+    old = LengthSurgeSchedule({"detector": "ratio"}).state_dict()
+    del old["detector_kind"]  # a checkpoint written before v2 holds the ratio detector
+    LengthSurgeSchedule({"detector": "ratio"}).load_state_dict(old)
+    with pytest.raises(ValueError, match="detector 'ratio'"):
+        LengthSurgeSchedule().load_state_dict(old)
+
+
+def test_replay_feeds_the_cosignals():
+    lengths = [1000.0] * 60 + [1800.0] * 60
+    rising = [0.4 + (0.01 * (s - 58) if s >= 58 else 0.0) + 0.002 * (s % 3) for s in range(1, 121)]
+    held = replay(range(1, 121), lengths, score=rising)
+    assert held.surge_step is None and set(held.lr_scale) == {1.0}
+    assert replay(range(1, 121), lengths).surge_step == 63
+    with pytest.raises(ValueError, match="steps and score differ in length"):
+        replay(range(1, 121), lengths, score=rising[:-1])

@@ -79,9 +79,15 @@ def _field_docs() -> dict[str, tuple[str, str]]:
 def _option_value(text: str):
     # YAML scalars, as in a verl config: 1.8, 198, null, start. LengthSurgeConfig checks types.
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, str):  # YAML 1.1 reads 3e-4 as text; a verl config would say 3.0e-4
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
