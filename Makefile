@@ -9,10 +9,23 @@ TORCH   ?= torch==2.13.0
 # verl 0.9.1's main_ppo imports these at run time without declaring them (CPU_PATH.md);
 # the verl[...] extras would replace the CPU torch, so they are not used.
 VERL    ?= verl==0.9.1 cachetools fastapi uvicorn TransferQueue==0.1.11
+# verl's Megatron engine (README "Megatron"): megatron-core 0.16.1 is the newest for Python 3.11
+# (it changes no torch/transformers/numpy pin); the 0.19 line needs Python 3.12 (test-megatron312).
+MCORE   ?= megatron-core==0.16.1
+MCORE312 ?= megatron-core==0.19.2
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV312 ?= .venv312
 
-.PHONY: install demo test test-unit test-e2e bench repro repro-ci clean
+.PHONY: install demo test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
 
 install: $(STAMP)
+
+install-megatron: $(VENV)/.megatron-installed
+
+$(VENV)/.megatron-installed: $(STAMP)
+	$(PIP) install --quiet $(MCORE)
+	$(PY) -c "import torch, megatron.core as m; print('megatron-core', m.__version__, '| torch', torch.__version__)"
+	touch $@
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +40,7 @@ demo: install
 	$(PY) scripts/demo.py
 
 ## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer.
-test: install
+test: install install-megatron
 	$(PY) -m pytest -m "not slow" -q -rs
 
 test-unit: install
@@ -36,6 +49,17 @@ test-unit: install
 ## Every end-to-end check, larger forms included (V0 and V1, resume, stock parity).
 test-e2e: install
 	$(PY) -m pytest -m e2e -q -rs
+
+## The Megatron tests alone (megatron-core 0.16, Python 3.11; also part of make test).
+test-megatron: install-megatron
+	$(PY) -m pytest -q -rs tests/test_megatron_scheduler.py tests/test_megatron_verl.py tests/test_megatron_configs.py
+
+## The scheduler tests on megatron-core's 0.19 line (Python 3.12, no verl). PyPI has no CPU torch
+## for Python 3.12: torch 2.13.0 comes with its CUDA libraries (2.7 GB download, 4.8 GB on disk, ~2 min).
+test-megatron312:
+	test -x $(VENV312)/bin/python || $(PYTHON312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install --quiet torch==2.13.0 $(MCORE312) pytest
+	PYTHONPATH=. $(VENV312)/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron_scheduler.py
 
 bench: install
 	$(PY) scripts/bench_overhead.py
@@ -50,4 +74,4 @@ repro-ci: install
 	$(PY) scripts/repro/all.py --ci
 
 clean:
-	rm -rf $(VENV) .assets outputs .pytest_cache
+	rm -rf $(VENV) $(VENV312) .assets outputs .pytest_cache

@@ -22,8 +22,8 @@ from verl_lrstab.megatron import LengthSurgeParamScheduler  # noqa: E402
 from verl_lrstab.scheduler import LengthSurgeLR  # noqa: E402
 
 LR, DECOUPLED_LR, WD = 1e-6, 2e-6, 0.1
-# Small detector: a surge from 100 to 300 tokens at update 7 is reported at update 7.
-FAST = {"skip_first_steps": 0, "fast_window": 1, "baseline_window": 2, "horizon": 3, "patience": 1}
+# Small ratio detector: a surge from 100 to 300 tokens at update 7 is reported at update 7.
+FAST = {"detector": "ratio", "skip_first_steps": 0, "fast_window": 1, "baseline_window": 2, "horizon": 3, "patience": 1}
 SURGE = [100.0] * 6 + [300.0] * 34
 
 

@@ -137,20 +137,22 @@ def _arm_guard() -> None:
 
 
 def _guard_module(module) -> None:
-    """Wrap ``__post_init__`` of the module's dataclasses that have an ``lr_scheduler_type`` field.
+    """Wrap ``__post_init__`` of the module's dataclasses that have an ``lr_scheduler_type`` (or Megatron's
+    ``lr_decay_style``) field.
 
     Found by field, not by name, so a renamed ``FSDPOptimizerConfig`` is guarded too.
     """
     for cls in list(vars(module).values()):
         fields = getattr(cls, "__dataclass_fields__", None)
-        if not isinstance(cls, type) or not fields or "lr_scheduler_type" not in fields:
+        if not isinstance(cls, type) or not fields or not {"lr_scheduler_type", "lr_decay_style"} & set(fields):
             continue
         original = cls.__dict__.get("__post_init__")
         if original is None or getattr(original, "_lrstab_guard", False):
             continue
 
         def __post_init__(self, _original=original):
-            if SCHEDULER_NAME in (getattr(self, "lr_scheduler_type", None), getattr(self, "warmup_style", None)):
+            if SCHEDULER_NAME in (getattr(self, "lr_scheduler_type", None), getattr(self, "warmup_style", None),
+                                  getattr(self, "lr_decay_style", None)):  # lr_decay_style: Megatron's key
                 check_usable()
             _original(self)
 

@@ -120,6 +120,10 @@ class LengthSurgeParamScheduler(OptimizerParamScheduler):
         max_lr = param_group.get("max_lr", self.max_lr)
         return self.constant_lr(max_lr) * self.schedule.decay_scale(self.num_steps + 1)
 
+    def get_last_lr(self) -> list:
+        """Each group's LR in force for the next update (as torch's ``LRScheduler.get_last_lr``)."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
     def lr_scale(self) -> float:
         """LR / ``max_lr`` in force for the next update."""
         warmup = self.constant_lr(self.max_lr) / self.max_lr if self.max_lr > 0 else 1.0
@@ -200,3 +204,43 @@ def build_length_surge_param_scheduler(optimizer, optim_config, verbose: bool = 
         print(f"verl_lrstab: length_surge scheduler (Megatron), warmup {lr_warmup_steps} steps from "
               f"{optim_config.lr_warmup_init}, options {scheduler.config.to_dict()}")
     return scheduler
+
+
+# -- the plugin's wrap of MegatronEngine._build_lr_scheduler (registered in verl_plugin.WRAPS) -------
+def make_build_lr_scheduler(original_fn):
+    """``MegatronEngine._build_lr_scheduler(self)``: ours for ``lr_decay_style: length_surge``, verl's otherwise."""
+
+    def _build_lr_scheduler(self, *args, **kwargs):
+        optim_config = self.optimizer_config
+        if getattr(optim_config, "lr_decay_style", None) != SCHEDULER_NAME:
+            return original_fn(self, *args, **kwargs)
+        from verl_lrstab import verl_plugin
+        from verl_lrstab._hooks import check_usable
+
+        check_usable()  # a wrap failed in this process: refuse rather than run a scheduler nobody feeds
+        verl_plugin._check_assumptions_once()  # the figures the worker wrap feeds are still what verl logs
+        return build_length_surge_param_scheduler(self.optimizer, optim_config, verbose=_is_rank0())
+
+    return _build_lr_scheduler
+
+
+def engine_checks(module, build):
+    """What the wrap relies on in verl's ``MegatronEngine``, as ``(assumption, ok, detail)``."""
+    from verl_lrstab.verl_plugin import _source_contains
+
+    engine = module.MegatronEngine
+    yield "MegatronEngine._build_lr_scheduler uses get_megatron_optimizer_param_scheduler(self.optimizer)", \
+        *_source_contains(build, "get_megatron_optimizer_param_scheduler", "optimizer=self.optimizer")
+    yield "MegatronEngine.initialize() builds the optimizer before the scheduler and hands it to the checkpoint " \
+          "manager with use_checkpoint_opt_param_scheduler", *_source_contains(
+              engine.initialize, "self.lr_scheduler = self._build_lr_scheduler()",
+              "optimizer_scheduler=self.lr_scheduler",
+              "use_checkpoint_opt_param_scheduler=self.optimizer_config.use_checkpoint_opt_param_scheduler")
+    yield "MegatronEngine.lr_scheduler_step() calls step(1)", *_source_contains(
+        engine.lr_scheduler_step, "self.lr_scheduler.step(1)")
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import logging
 import math
@@ -341,7 +342,10 @@ def _length_surge_scheduler(worker):
     from verl_lrstab.scheduler import LengthSurgeLR
 
     scheduler = getattr(getattr(worker, "engine", None), "lr_scheduler", None)
-    return scheduler if isinstance(scheduler, LengthSurgeLR) else None
+    # Megatron's (verl_lrstab.megatron) is loaded whenever one of its schedulers exists.
+    megatron = _loaded("verl_lrstab.megatron")
+    classes = (LengthSurgeLR,) + ((megatron.LengthSurgeParamScheduler,) if megatron is not None else ())
+    return scheduler if isinstance(scheduler, classes) else None
 
 
 # -- 4. driver side: where an actor update sits in the trainer step, mismatch before rejection ----
@@ -428,14 +432,16 @@ def _pop_pre_rs_stats():
 
 def _names_length_surge(config) -> bool:
     try:
-        return config.actor_rollout_ref.actor.optim.lr_scheduler_type == SCHEDULER_NAME
+        optim = config.actor_rollout_ref.actor.optim
+        return SCHEDULER_NAME in (optim.get("lr_scheduler_type"), optim.get("lr_decay_style"))  # FSDP, Megatron
     except Exception:  # noqa: BLE001
         return False
 
 
 # -- 5. explicit refusals: roles, engines and trainers where length_surge would do nothing --------
-SUPPORTED = ("the actor (actor_rollout_ref.actor.optim) of the FSDP engine (strategy fsdp/fsdp2) in verl's "
-             "main_ppo, V0 and V1 (sync, colocate_async, separate_async)")
+SUPPORTED = ("the actor (actor_rollout_ref.actor.optim) of the FSDP engine (strategy fsdp/fsdp2) and of the "
+             "Megatron engine (strategy megatron, lr_decay_style) in verl's main_ppo, V0 and V1 (sync, "
+             "colocate_async, separate_async)")
 
 
 class LengthSurgeNotSupported(ValueError):
@@ -481,6 +487,15 @@ def _critic_optim_type(critic_config) -> Optional[str]:
     return optim.get("lr_scheduler_type") if hasattr(optim, "get") else getattr(optim, "lr_scheduler_type", None)
 
 
+def _lazy(module: str, name: str) -> Callable:
+    """``verl_lrstab.<module>.<name>``, imported at its first call (megatron.py needs megatron-core)."""
+
+    def call(*args):
+        return getattr(importlib.import_module(f"verl_lrstab.{module}"), name)(*args)
+
+    return call
+
+
 WRAPS: list = [
     Wrap("verl.workers.config", None, "FSDPOptimizerConfig", None, _make_config, _config_checks,
          also_in=("verl.workers.config.optimizer",)),
@@ -495,6 +510,11 @@ WRAPS: list = [
     Wrap("verl.trainer.ppo.rollout_corr_helper", None, "compute_rollout_correction_and_add_to_batch",
          ("batch", "rollout_corr_config"), _make_rollout_correction, _rollout_correction_checks,
          also_in=("verl.trainer.ppo.v1.trainer_base",)),
+    # verl's Megatron engine: the code lives in verl_lrstab.megatron_config / verl_lrstab.megatron
+    Wrap("verl.workers.config", None, "McoreOptimizerConfig", None, _lazy("megatron_config", "make_config"),
+         _lazy("megatron_config", "config_checks"), also_in=("verl.workers.config.optimizer",)),
+    Wrap("verl.workers.engine.megatron.transformer_impl", "MegatronEngine", "_build_lr_scheduler", ("self",),
+         _lazy("megatron", "make_build_lr_scheduler"), _lazy("megatron", "engine_checks")),
     # refusals
     Wrap("verl.workers.config.optimizer", "VeOmniOptimizerConfig", "__post_init__", ("self",),
          _make_post_init_refusal("actor_rollout_ref.actor.optim.lr_scheduler_type",
