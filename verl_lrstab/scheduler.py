@@ -48,6 +48,8 @@ class LengthSurgeLR(LRScheduler):
         self.schedule = LengthSurgeSchedule(config, warmup_steps=warmup_steps)
         self.pending_response_length: Optional[float] = None
         self.pending_mismatch_kl: Optional[float] = None
+        self.pending_score: Optional[float] = None  # co-signals of detector: cusum (None: unavailable)
+        self.pending_clip_ratio: Optional[float] = None
         # The LR the run was configured with, before a checkpoint may restore another one.
         self._configured_lrs = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)
@@ -77,7 +79,10 @@ class LengthSurgeLR(LRScheduler):
                 response_length, self.pending_response_length = self.pending_response_length, None
             if mismatch_kl is None:
                 mismatch_kl, self.pending_mismatch_kl = self.pending_mismatch_kl, None
-            self.schedule.observe(self.last_epoch + 1, response_length, mismatch_kl)
+            score, self.pending_score = self.pending_score, None
+            clip_ratio, self.pending_clip_ratio = self.pending_clip_ratio, None
+            self.schedule.observe(self.last_epoch + 1, response_length, mismatch_kl, score=score,
+                                  clip_ratio=clip_ratio)
         super().step()
 
     def get_lr(self) -> list[float]:
