@@ -291,3 +291,12 @@ def test_cusum_armed_state_survives_resume():
 def test_cusum_invalid_arguments_name_the_argument(kwargs, key):
     with pytest.raises(ValueError, match=key):
         CusumDetector(**kwargs)
+
+
+def test_cusum_max_surges_measures_the_next_surge_from_the_new_level():
+    rng = random.Random(0)
+    values = [level * (1 + rng.gauss(0, 0.03)) for level, n in ((1000, 60), (2000, 80), (5000, 60)) for _ in range(n)]
+    assert feed_values(values)[1] == [63]
+    det, fired = feed_values(values, max_surges=2)
+    assert fired == [63, 143]  # once per jump: not again while the baseline catches up with 2000
+    assert det.baseline == pytest.approx(4948.66, rel=1e-4)  # still reported after the last surge

@@ -7,22 +7,27 @@ Two stages, every decision from data up to the current step only:
    give a z-score per step; a one-sided CUSUM ``S = max(0, S + z - drift)`` accumulates it, so
    a fast sustained rise crosses ``threshold`` within a few steps while noise and slow drift
    (absorbed by the trailing baseline) do not. The alarm also needs the level (median of the
-   last 3 steps) at ``min_rise`` x the baseline or more, and is not raised when the run was
-   already at that level before when no score is available (a **rebound**: the highest 3-row
-   median of the last ``rebound_memory`` steps, skipped early steps included, is at least
-   ``min_rise`` x the baseline and the level is below ``rebound_margin`` x it).
+   last 5 steps: two odd batches cannot move it) at ``min_rise`` x the baseline or more. With
+   no score, it is not raised when the run was already at that level before (a **rebound**:
+   the highest 3-row median of the last ``rebound_memory`` steps before the baseline, skipped
+   early steps included, is at least ``min_rise`` x the baseline and the level is below
+   ``rebound_margin`` x it).
 2. **Co-signals.** Without a reward/score, the alarm is the surge. With a score (verl's
    ``critic/score/mean``), an alarm arms the detector for up to ``confirm_steps`` steps
    (while the level stays at ``min_rise`` x the alarm's baseline) and it fires on the first
-   step where the score **falls** (its 5-step median is ``score_z`` noise units below the
-   larger of its pre-alarm level and its peak since), or where it is not rising and the
-   mismatch KL has grown ``kl_rise`` x (5-step median vs the median 30-60 steps back) or the
-   clip ratio has risen by ``clip_rise``. A length rise with a rising score is learning and
-   is held; so is one with a flat score and no other sign.
+   step where the score **falls** (its 5-step median is ``score_z`` noise units below its
+   pre-alarm level, or below a peak since the alarm that was itself a clear rise), or where it
+   is not rising and the mismatch KL has grown ``kl_rise`` x (5-step median vs the median
+   30-60 steps back) or the clip ratio has risen by ``clip_rise``. A length rise with a rising
+   score is learning and is held; so is one with a flat score and no other sign. When the
+   score already falls by 1.5 x ``score_z``, half the length evidence (``threshold / 2``, a
+   level half-way to ``min_rise``) is enough.
 
 Windows count steps, not rows, so a log written every 5-10 steps uses the same options; a
-baseline needs at least 3 rows (widened back when the span holds fewer). NaN, inf, missing
-and non-positive lengths are skipped; missing co-signals are just unavailable.
+window holding fewer than 8 rows is widened back to 8, and a baseline needs 3 rows covering
+at least half the span. NaN, inf, missing and non-positive lengths are skipped; missing
+co-signals are just unavailable. Score noise: 1.2533 x the mean absolute deviation over the
+60 steps before the baseline ends (at least 20 rows), floored at 1 % of the score.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ LEVEL_STEPS = 5  # the current level: median of the last 5 steps (two odd batche
 NOW_STEPS = 5  # co-signals "now": median of the last 5 steps
 KL_BACK = (30, 60)  # the mismatch KL's reference: the steps 30-60 back
 MIN_ROWS = 8  # windows of a sparse log are widened back to this many rows (a noise scale needs them)
-SCORE_NOISE_STEPS = 60  # the score's noise scale: MAD over the 60 steps before the baseline ends
+SCORE_NOISE_STEPS = 60  # the score's noise scale: over the 60 steps before the baseline ends
 MEDIAN_SD = 1.25  # sd of a median of a few values / sd of their mean (~sqrt(pi / 2))
 
 
@@ -157,26 +162,30 @@ class CusumDetector:
         self.noise = max(_mad_scale(base_rows, b), self.noise_floor)
         self.baseline, self.ratio = math.exp(b), self.level / math.exp(b)
         self._cusum = max(0.0, self._cusum + (y - b) / self.noise - self.drift)
+        if len(self.surge_steps) >= self.max_surges:
+            return False  # done; the figures above are still reported
         if self._armed is None and self._cusum >= self.threshold and self.ratio >= self.min_rise:
-            self._arm(step, b)
-            if not self._armed["score_n"] and self._rebound(step, b):
-                self._armed = None  # length only: back to a level the run had before
+            refs = self._refs(step, b)
+            if refs["score_n"] or not self._rebound(step, b):  # length only: a rebound is no surge
+                self._armed = refs
+                logger.info("verl_lrstab: length alarm at step %d (cusum %.1f, level %.4g = %.3g x baseline)",
+                            step, self._cusum, self.level, self.ratio)
         if self._armed is not None:
-            fired = self._decide(step)
+            fired = self._decide(step, self._armed)
         elif self._cusum >= self.threshold / 2 and self.ratio >= (1 + self.min_rise) / 2:
-            # half the length evidence is enough when the score already falls
-            self._armed = {**self._refs(step, b), "z_factor": 1.5}
-            fired = self._decide(step) and self._falls
-            self._armed = None
+            # half the length evidence is enough when the score already falls clearly
+            fired = self._decide(step, {**self._refs(step, b), "z_factor": 1.5}) and self._falls
         else:
             return False
-        if fired and len(self.surge_steps) < self.max_surges:
+        if fired:
             self.surge_steps.append(step)
             self._disarm()
+            if len(self.surge_steps) < self.max_surges:
+                self._log = []  # a later surge is measured against the post-surge level
             return True
         if self._armed is not None and (self.level < self.min_rise * self._armed["baseline"]
                                         or step - self._armed["step"] >= self.confirm_steps):
-            self._disarm()
+            self._disarm()  # the length came back down, or no co-signal confirmed it in time
         return False
 
     # -- pieces ----------------------------------------------------------------------------------
@@ -219,11 +228,6 @@ class CusumDetector:
         vals = [v for s, v in rows if lo < s <= hi]
         return (median(vals), len(vals)) if vals else (_NAN, 0)
 
-    def _arm(self, step: int, b: float) -> None:
-        self._armed = self._refs(step, b)
-        logger.info("verl_lrstab: length alarm at step %d (cusum %.1f, level %.4g = %.3g x baseline)", step,
-                    self._cusum, self.level, self.ratio)
-
     def _refs(self, step: int, b: float) -> dict:
         lo, hi = step - self.lag - self.span, step - self.lag
         ref, n_ref, _ = self._ref(self._score, lo, hi)
@@ -241,8 +245,8 @@ class CusumDetector:
         self._armed = None
         self._cusum = 0.0
 
-    def _decide(self, step: int) -> bool:
-        a = self._armed
+    def _decide(self, step: int, a: dict) -> bool:
+        """Whether the co-signals confirm the length alarm ``a`` (True without a score)."""
         self._falls = False
         now, n_now = self._recent(self._score, step)
         if not a["score_n"] or not n_now:
