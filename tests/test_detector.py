@@ -300,3 +300,16 @@ def test_cusum_max_surges_measures_the_next_surge_from_the_new_level():
     det, fired = feed_values(values, max_surges=2)
     assert fired == [63, 143]  # once per jump: not again while the baseline catches up with 2000
     assert det.baseline == pytest.approx(4948.66, rel=1e-4)  # still reported after the last surge
+
+
+def test_cusum_long_run_after_an_early_rebound_stays_quiet():
+    # C_s0 (a healthy early rebound) followed by 2700 steps at its new level with a flat, noisy
+    # score: an alarm that no co-signal confirms within cusum_confirm_steps is dropped, so the
+    # permanently higher length is not tested against the score's noise step after step.
+    tr = RUNS["C_s0"]
+    rng = random.Random(4)
+    level, acc = sorted(tr.length[-50:])[25], sorted(tr.score[-50:])[25]
+    lengths = list(tr.length) + [level * (1 + rng.gauss(0, 0.08)) for _ in range(2700)]
+    score = list(tr.score) + [acc + rng.gauss(0, 0.02) for _ in range(2700)]
+    det = CusumDetector()
+    assert [s for s, (v, sc) in enumerate(zip(lengths, score), 1) if det.update(s, v, score=sc, kl=5e-4)] == []
