@@ -302,14 +302,17 @@ def test_cusum_max_surges_measures_the_next_surge_from_the_new_level():
     assert det.baseline == pytest.approx(4948.66, rel=1e-4)  # still reported after the last surge
 
 
-def test_cusum_long_run_after_an_early_rebound_stays_quiet():
-    # C_s0 (a healthy early rebound) followed by 2700 steps at its new level with a flat, noisy
+@pytest.mark.parametrize("seed", range(3))
+def test_cusum_long_run_after_an_early_rebound_stays_quiet(seed):
+    # A healthy early rebound (class C) followed by 2700 steps at its new level with a flat, noisy
     # score: an alarm that no co-signal confirms within cusum_confirm_steps is dropped, so the
     # permanently higher length is not tested against the score's noise step after step.
-    tr = RUNS["C_s0"]
-    rng = random.Random(4)
+    (tr,) = phenomena.traces(seeds=[seed], classes="C")
+    rng = random.Random(seed)
     level, acc = sorted(tr.length[-50:])[25], sorted(tr.score[-50:])[25]
     lengths = list(tr.length) + [level * (1 + rng.gauss(0, 0.08)) for _ in range(2700)]
     score = list(tr.score) + [acc + rng.gauss(0, 0.02) for _ in range(2700)]
     det = CusumDetector()
-    assert [s for s, (v, sc) in enumerate(zip(lengths, score), 1) if det.update(s, v, score=sc, kl=5e-4)] == []
+    fired = [s for s, (v, sc) in enumerate(zip(lengths, score), 1)
+             if det.update(s, v, score=sc, kl=5e-4 * (1 + rng.gauss(0, 0.15)))]
+    assert fired == []
