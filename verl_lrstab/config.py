@@ -48,7 +48,8 @@ class LengthSurgeConfig:
         detector (str): the length-surge test: ``"cusum"`` (default: CUSUM of noise-scaled
             log-length rises, confirmed by the score / mismatch KL / clip ratio when they are
             fed; README "The surge detector") or ``"ratio"`` (the rule before v2: level vs a
-            baseline ``horizon`` steps back; its options are the next five).
+            baseline ``horizon`` steps back; its options: ``fast_window``, ``horizon``,
+            ``baseline_window``, ``ratio_threshold``, ``patience``).
         skip_first_steps (int): updates ignored by the detector (warmup, format learning).
             Default 10.
         fast_window (int): ratio detector: span in steps of the median that gives the current
