@@ -201,11 +201,7 @@ def cmd_replay(args) -> int:
                "steps": result.steps, "lr_scale": result.lr_scale}
         print(json.dumps(out, allow_nan=False))
         return 0
-    print(f"run:    {args.run}")
-    print(f"metric: {metric} ({len(values)} values, steps {result.steps[0]}..{result.steps[-1]})")
-    if config.detector == "cusum" or result.cosignals:
-        print("co-signals: " + (", ".join(result.cosignals.values()) or "none (length only)"))
-    print(_surge_line(result))
+    _print_head(args.run, metric, values, result, config)
     if result.decay_period is not None:
         how = "fixed (--decay-period)" if config.decay_period is not None else \
             f"round({config.period_factor} x {result.trigger_step})"
@@ -216,6 +212,14 @@ def cmd_replay(args) -> int:
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
+
+
+def _print_head(run, metric: str, values, result: ReplayResult, config: LengthSurgeConfig) -> None:
+    print(f"run:    {run}")
+    print(f"metric: {metric} ({len(values)} values, steps {result.steps[0]}..{result.steps[-1]})")
+    if config.detector == "cusum" or result.cosignals:
+        print("co-signals: " + (", ".join(result.cosignals.values()) or "none (length only)"))
+    print(_surge_line(result))
 
 
 def _surge_line(result: ReplayResult) -> str:
@@ -238,9 +242,7 @@ def cmd_calibrate(args) -> int:
     metric = _length_metric(df, args.metric)
     result, values = _replay_run(df, metric, config, args.warmup_steps, args.kl_metric, args.score_metric,
                                  args.clip_metric)
-    print(f"run:    {args.run}")
-    print(f"metric: {metric} ({len(values)} values, steps {result.steps[0]}..{result.steps[-1]})")
-    print(_surge_line(result))
+    _print_head(args.run, metric, values, result, config)
     if result.decay_period is None:
         print("lrstab: no surge found: nothing to calibrate (a constant-LR run that surges is needed)",
               file=sys.stderr)
