@@ -122,3 +122,24 @@ def test_v1_synthetic_padding_samples_are_left_out_like_verls_metrics():
                               "response_mask": torch.nested.as_nested_tensor(masks, layout=torch.jagged)})
     assert response_lengths(data).tolist() == RESPONSE_LENS
     assert global_mean_response_length(data) == pytest.approx(sum(RESPONSE_LENS) / len(RESPONSE_LENS))
+
+
+def test_collective_device_is_this_ranks_accelerator_from_verls_helpers(monkeypatch):
+    # Ascend/CUDA with more than one rank per node: each rank reduces on its own device, not device 0.
+    import torch.distributed as dist
+
+    import verl.utils.device as device
+
+    from verl_lrstab import verl_plugin
+
+    class Accelerator:
+        @staticmethod
+        def current_device():
+            return 1
+
+    monkeypatch.setattr(device, "get_device_name", lambda: "cuda")
+    monkeypatch.setattr(device, "get_torch_device", lambda: Accelerator)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert verl_plugin._collective_device(None) == torch.device("cuda", 1)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert verl_plugin._collective_device(None) == torch.device("cpu")

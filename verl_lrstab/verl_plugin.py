@@ -482,6 +482,18 @@ def _make_init_refusal(key: str, where: str, get: Callable):
     return make
 
 
+def _make_kwarg_refusal(key: str, where: str):
+    def make(original_fn):
+        def __init__(self, *args, **kwargs):
+            if kwargs.get("lr_scheduler_type") == SCHEDULER_NAME:
+                raise refuse(key, where)
+            return original_fn(self, *args, **kwargs)
+
+        return __init__
+
+    return make
+
+
 def _critic_optim_type(critic_config) -> Optional[str]:
     optim = getattr(critic_config, "optim", None)
     return optim.get("lr_scheduler_type") if hasattr(optim, "get") else getattr(optim, "lr_scheduler_type", None)
@@ -519,6 +531,9 @@ WRAPS: list = [
     Wrap("verl.workers.config.optimizer", "VeOmniOptimizerConfig", "__post_init__", ("self",),
          _make_post_init_refusal("actor_rollout_ref.actor.optim.lr_scheduler_type",
                                  "the VeOmni engine (VeOmniOptimizerConfig)")),
+    Wrap("verl.workers.config.optimizer", "TorchtitanOptimizerConfig", "__init__", ("self",),
+         _make_kwarg_refusal("actor_rollout_ref.actor.optim.lr_scheduler_type",
+                             "the TorchTitan engine (TorchtitanOptimizerConfig has no lr_scheduler_type)")),
     Wrap("verl.workers.config.critic", "CriticConfig", "__post_init__", ("self",),
          _make_post_init_refusal("critic.optim.lr_scheduler_type", "the critic (role critic, any engine)",
                                  get=_critic_optim_type)),
@@ -691,12 +706,12 @@ def _collective_device(group):
     import torch
     import torch.distributed as dist
 
-    backend = str(dist.get_backend(group)).lower()
-    if backend == "gloo":
-        return torch.device("cpu")
     from verl.utils.device import get_device_name, get_torch_device
 
-    return torch.device(get_device_name(), get_torch_device().current_device())
+    name = get_device_name()
+    if name == "cpu" or str(dist.get_backend(group)).lower() == "gloo":
+        return torch.device("cpu")
+    return torch.device(name, int(get_torch_device().current_device()))  # this rank's device, not device 0
 
 
 def _with_metrics(output, extra: dict):
