@@ -37,6 +37,7 @@ LR = 1e-3
 WARMUP_STEPS = 2
 # Small windows so that a surge shows within ~10 updates (the defaults need ~40).
 SURGE_OPTIONS = {
+    "detector": "ratio",  # the level-vs-baseline rule, whose small windows give a surge at a known update
     "skip_first_steps": 2,
     "fast_window": 2,
     "horizon": 4,
@@ -54,6 +55,10 @@ PROMPT_WIDTH = 6
 RESPONSE_WIDTH = 24
 SURGE_ONSET = 7  # first update whose batch is long
 SURGE_FACTOR = 3
+# --mismatch: rollout log-probs differ from old_log_probs; the decay starts on the mismatch
+# (fixed budget far below it: fires after skip_first_steps + patience valid steps).
+MISMATCH_OPTIONS = {"trigger": "mismatch", "mismatch_budget": 1e-9}
+ROLLOUT_NOISE = 0.05
 # Uneven on purpose: the first mini-batch (rows 0-3) averages 3, the whole batch 4.
 BASE_LENGTHS = (2, 3, 4, 3, 5, 6, 4, 5)
 
@@ -110,13 +115,14 @@ def build_tiny_model(path: str | os.PathLike) -> str:
 
 
 # -- verl objects -------------------------------------------------------------------------------------
-def actor_rollout_ref_config(model_path: str, scheduler: str, world_size: int):
+def actor_rollout_ref_config(model_path: str, scheduler: str, world_size: int, mismatch_trigger: bool = False):
     """verl's Hydra ``ppo_trainer`` config, ``actor_rollout_ref`` node, with the CPU overrides.
 
     Args:
         model_path: the tiny model's directory.
         scheduler: ``optim.lr_scheduler_type`` (``length_surge`` adds :data:`SURGE_OPTIONS`).
         world_size: data-parallel size (sets the mini-batch size).
+        mismatch_trigger: add :data:`MISMATCH_OPTIONS` (the decay is started by the mismatch).
     """
     from hydra import compose, initialize_config_module
 
@@ -140,7 +146,8 @@ def actor_rollout_ref_config(model_path: str, scheduler: str, world_size: int):
         f"{a}.actor.optim.lr_scheduler_type={scheduler}",
     ]
     if scheduler == "length_surge":
-        overrides += [f"+{a}.actor.optim.length_surge.{k}={v}" for k, v in SURGE_OPTIONS.items()]
+        options = {**SURGE_OPTIONS, **(MISMATCH_OPTIONS if mismatch_trigger else {})}
+        overrides += [f"+{a}.actor.optim.length_surge.{k}={v}" for k, v in options.items()]
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         return compose(config_name="ppo_trainer", overrides=overrides).actor_rollout_ref
 
@@ -159,13 +166,14 @@ def make_actor_worker(config):
     return worker
 
 
-def make_actor_batch(lengths: list[int], seed: int, world_size: int):
+def make_actor_batch(lengths: list[int], seed: int, world_size: int, rollout_log_probs: bool = False):
     """One rank's ``update_actor`` input, built the way ``RayPPOTrainer._update_actor`` builds it.
 
     Args:
         lengths: per-sample response lengths (right padding to :data:`RESPONSE_WIDTH`).
         seed: seeds tokens, prompt padding and advantages.
         world_size: data-parallel size (verl's ``mini_batch_size`` is global).
+        rollout_log_probs: add the rollout engine's log-probs (old_log_probs + noise).
 
     Returns:
         ``(tensordict, logged_mean)``: the batch, and the ``response_length/mean`` verl's
@@ -206,6 +214,9 @@ def make_actor_batch(lengths: list[int], seed: int, world_size: int):
         },
         meta_info={"multi_turn": False, "temperature": 1.0},
     )
+    if rollout_log_probs:
+        noise = ROLLOUT_NOISE * torch.randn(rows, width, generator=gen)
+        batch.batch["rollout_log_probs"] = batch.batch["old_log_probs"] + noise * response_mask
     logged_mean = compute_data_metrics(batch, use_critic=False)["response_length/mean"]
     td = left_right_2_no_padding(batch.to_tensordict())
     tu.assign_non_tensor(
@@ -232,7 +243,8 @@ def _plain(value):
     return value
 
 
-def run_steps(worker, first: int, last: int, rank: int, world_size: int) -> list[dict]:
+def run_steps(worker, first: int, last: int, rank: int, world_size: int, rollout_log_probs: bool = False,
+              updates_per_step: int = 1) -> list[dict]:
     """Run actor updates ``first..last`` (1-based) and record what verl and the scheduler report.
 
     Returns:
@@ -247,13 +259,16 @@ def run_steps(worker, first: int, last: int, rank: int, world_size: int) -> list
     records = []
     for step in range(first, last + 1):
         lengths = response_lengths_at(step, rank, world_size)
-        batch, logged_mean = make_actor_batch(lengths, seed=1000 * step + rank, world_size=world_size)
+        batch, logged_mean = make_actor_batch(lengths, seed=1000 * step + rank, world_size=world_size,
+                                              rollout_log_probs=rollout_log_probs)
+        if updates_per_step > 1:  # what the V1 separate_async driver wrap adds (verl_plugin.STEP_POSITION_KEY)
+            tu.assign_non_tensor(batch, lrstab_step_position=[(step - 1) % updates_per_step, updates_per_step])
         start = time.perf_counter()
         output = worker.update_actor(batch)
         seconds = time.perf_counter() - start
         metrics = tu.get(output, "metrics") if output is not None else {}
         keep = {k: _plain(v) for k, v in metrics.items()
-                if k.startswith("lrstab/") or k in ("lr", "loss", "grad_norm")}
+                if k.startswith(("lrstab/", "mismatch/")) or k in ("lr", "loss", "grad_norm")}
         records.append({
             "step": step,
             "lengths": lengths,
@@ -312,6 +327,20 @@ def checkpoint_extra_state(ckpt_dir: str, rank: int, world_size: int) -> dict:
             "files": sorted(p.name for p in Path(ckpt_dir).iterdir())}
 
 
+def _fail_mismatch_at(updates: set, first: int) -> None:
+    """Make this rank's mismatch computation raise at the given updates (one rank failing alone)."""
+    from verl_lrstab import mismatch
+
+    compute_stats, calls = mismatch.compute_stats, iter(range(first, 10**6))
+
+    def failing(*args, **kwargs):
+        if next(calls) in updates:
+            raise FloatingPointError("simulated failure on this rank only")
+        return compute_stats(*args, **kwargs)
+
+    mismatch.compute_stats = failing
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="tiny model dir (built if missing)")
@@ -323,6 +352,11 @@ def main(argv=None) -> None:
     parser.add_argument("--ckpt", default=None, help="checkpoint dir for --save-at")
     parser.add_argument("--resume-from", default=None, help="load this checkpoint before running")
     parser.add_argument("--no-plugin", action="store_true", help="VERL_USE_EXTERNAL_PLUGINS=none (stock verl)")
+    parser.add_argument("--mismatch", action="store_true", help="rollout log-probs + MISMATCH_OPTIONS")
+    parser.add_argument("--fail-mismatch-at", default="", help="updates (comma list) at which the LAST rank's "
+                        "mismatch computation raises")
+    parser.add_argument("--updates-per-step", type=int, default=1, help="actor updates per trainer step "
+                        "(V1 separate_async's parameter_sync_step)")
     args = parser.parse_args(argv)
 
     # Before verl is imported: one rank by default, the CPU platform, or stock verl.
@@ -343,7 +377,11 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     if not Path(args.model, "config.json").exists():
         build_tiny_model(args.model)
-    worker = make_actor_worker(actor_rollout_ref_config(args.model, args.scheduler, world_size))
+    worker = make_actor_worker(actor_rollout_ref_config(args.model, args.scheduler, world_size, args.mismatch))
+    fail_at = {int(v) for v in args.fail_mismatch_at.split(",") if v}
+    if fail_at and rank == world_size - 1:
+        _fail_mismatch_at(fail_at, first=args.first)
+    steps_kwargs = {"rollout_log_probs": args.mismatch, "updates_per_step": args.updates_per_step}
     result = {"header": describe(worker), "rank": rank, "world_size": world_size,
               "build_seconds": time.perf_counter() - started}
     if args.resume_from:
@@ -351,13 +389,13 @@ def main(argv=None) -> None:
         result["loaded_state"] = worker.actor.engine.lr_scheduler.state_dict()
         result["loaded_optimizer_lr"] = worker.actor.engine.optimizer.param_groups[0]["lr"]
     if args.save_at is None:
-        result["records"] = run_steps(worker, args.first, args.steps, rank, world_size)
+        result["records"] = run_steps(worker, args.first, args.steps, rank, world_size, **steps_kwargs)
     else:  # save as verl's trainer does (between two steps), then carry on
-        result["records"] = run_steps(worker, args.first, args.save_at, rank, world_size)
+        result["records"] = run_steps(worker, args.first, args.save_at, rank, world_size, **steps_kwargs)
         worker.save_checkpoint(args.ckpt, global_step=args.save_at)
         result["saved_state"] = worker.actor.engine.lr_scheduler.state_dict()
         result["checkpoint"] = checkpoint_extra_state(args.ckpt, rank, world_size)
-        result["records"] += run_steps(worker, args.save_at + 1, args.steps, rank, world_size)
+        result["records"] += run_steps(worker, args.save_at + 1, args.steps, rank, world_size, **steps_kwargs)
     result["seconds"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(result, indent=1))
     torch.distributed.destroy_process_group()

@@ -236,3 +236,77 @@ def test_two_ranks_feed_the_global_mean_and_keep_identical_state(model_dir, work
     assert len({rec["logged_mean"] for rec in runs[0]["records"]}) == 1
     assert surge_steps == {-1, SURGE_STEP}
     assert runs[0]["records"][PERIOD - 2]["optimizer_lr"] == pytest.approx(h.LR / 2)  # after update 9
+
+
+# -- 5. one rank's mismatch computation fails: every rank takes the same decision ----------------------
+FAIL_AT = (3, 4)  # the last rank cannot compute its mismatch figures at these updates
+MISMATCH_TRIGGER_STEP = 6  # skip 2, then patience 2 over valid steps 5, 6 (3 and 4 are skipped on BOTH ranks)
+
+
+def test_one_rank_failing_its_mismatch_keeps_every_rank_on_one_lr(model_dir, work_dir):
+    steps = 9
+    args = ("--steps", str(steps), "--mismatch", "--fail-mismatch-at", ",".join(map(str, FAIL_AT)))
+    runs = run_jobs(model_dir, work_dir, {"dp2_fail": (args, 2, None)})["dp2_fail"]
+    for r0, r1 in zip(runs[0]["records"], runs[1]["records"], strict=True):
+        step = r0["step"]
+        assert canonical(r0["scheduler_state"]) == canonical(r1["scheduler_state"]), step
+        assert r0["optimizer_lr"] == r1["optimizer_lr"] and r0["metrics"]["lr"] == r1["metrics"]["lr"], step
+        for rec in (r0, r1):
+            has_mismatch = "mismatch/k3" in rec["metrics"]
+            assert has_mismatch == (step not in FAIL_AT), (step, rec["metrics"])
+            expected_trigger = MISMATCH_TRIGGER_STEP if step >= MISMATCH_TRIGGER_STEP else -1
+            assert rec["metrics"]["lrstab/trigger_step"] == [expected_trigger], step
+        if step not in FAIL_AT:
+            assert r0["metrics"]["mismatch/k3"] == r1["metrics"]["mismatch/k3"]
+            assert r0["metrics"]["mismatch/k3"][0] > 1e-4  # a real mismatch, far above the 1e-9 budget
+    period = round(1.25 * MISMATCH_TRIGGER_STEP + 1e-9)  # 7.5 -> 8 (half up)
+    lrs = {rec["step"]: rec["optimizer_lr"] for rec in runs[0]["records"]}
+    assert lrs[period - 2] == pytest.approx(h.LR) and lrs[period - 1] == pytest.approx(h.LR / 2)
+
+
+# -- 6. several actor updates per trainer step (V1 separate_async) -----------------------------------------
+# 2 updates per trainer step, 8 trainer steps; trainer-step means 4, 4, 4, 12, ...: the detector's
+# windows count trainer steps, so it sees the jump at trainer step 7 (`replay` of the same means).
+SURGE_STEP_PER_TRAINER_STEP = 7
+def test_several_updates_per_trainer_step_feed_the_scheduler_once_per_trainer_step(model_dir, work_dir):
+    from verl_lrstab.schedule import replay
+
+    k, updates = 2, 16
+    run = run_one(model_dir, work_dir, "per_step2", "--steps", str(updates), "--updates-per-step", str(k))
+    records = run["records"]
+    trainer_means, scales = [], []
+    for first, second in zip(records[0::2], records[1::2]):
+        t = second["step"] // k
+        # the LR holds within the trainer step; the scheduler has stepped once per trainer step
+        assert first["scheduler_state"]["last_epoch"] == t - 1 and second["scheduler_state"]["last_epoch"] == t
+        assert not any(key.startswith("lrstab/") for key in first["metrics"]), first["metrics"]
+        both = first["lengths"] + second["lengths"]
+        trainer_means.append(sum(both) / len(both))
+        assert second["metrics"]["lrstab/response_length"] == [pytest.approx(trainer_means[-1])]
+        scales.append(second["metrics"]["lrstab/lr_scale"][0])
+        assert first["metrics"]["lr"] == [first["optimizer_lr"]]
+    # warmup: verl resolved 2 updates = 1 trainer step
+    assert records[0]["optimizer_lr"] == records[1]["optimizer_lr"] == 0.0
+    # `lrstab replay` over the trainer-step means (what verl logs as response_length/mean) decides the same
+    steps = list(range(1, len(trainer_means) + 1))
+    options = {**h.SURGE_OPTIONS}
+    ref = replay(steps, trainer_means, options, warmup_steps=1)
+    surge = [rec["metrics"]["lrstab/surge_step"][0] for rec in records[1::2]]
+    assert ref.surge_step == SURGE_STEP_PER_TRAINER_STEP and surge[-1] == SURGE_STEP_PER_TRAINER_STEP
+    assert ref.lr_scale[1:] == pytest.approx(scales[:-1], rel=1e-12)
+
+    # verl's V1 trainer reduces each update's actor metrics, then its MetricsAggregator combines the
+    # updates of a trainer step (weighted by samples): the logged integers come out exactly.
+    from verl.trainer.ppo.v1.utils import MetricsAggregator
+    from verl.utils.metric import reduce_metrics
+    from verl.utils.py_functional import rename_dict
+
+    for first, second in zip(records[0::2], records[1::2]):
+        aggregator = MetricsAggregator()
+        for rec in (first, second):
+            aggregator.add_step_metrics(reduce_metrics(rename_dict(dict(rec["metrics"]), "actor/")), sample_count=8)
+        logged = aggregator.get_aggregated_metrics()
+        for key in ("surge_step", "trigger_step", "decay_period", "skipped_steps"):
+            assert logged[f"actor/lrstab/{key}"] == second["metrics"][f"lrstab/{key}"][0], (second["step"], key)
+        assert logged["actor/lrstab/lr_scale"] == second["metrics"]["lrstab/lr_scale"][0]
+        assert logged["actor/lr"] == second["metrics"]["lr"][0]

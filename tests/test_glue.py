@@ -1,6 +1,7 @@
 """The worker-side glue on batches in the layouts verl's V0 and V1 trainers send to update_actor."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -143,3 +144,40 @@ def test_collective_device_is_this_ranks_accelerator_from_verls_helpers(monkeypa
     assert verl_plugin._collective_device(None) == torch.device("cuda", 1)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert verl_plugin._collective_device(None) == torch.device("cpu")
+
+
+def test_v0_batch_without_attention_mask_is_not_measured_from_response_mask(caplog):
+    # response_mask alone leaves out tool tokens (multi-turn): refuse to guess, loudly
+    caplog.set_level(logging.WARNING, logger="verl_lrstab")
+    data = tu.get_tensordict({"response_mask": torch.ones(2, 4, dtype=torch.int64)})
+    assert math.isnan(global_mean_response_length(data))
+    assert "tool tokens" in caplog.text and "attention_mask" in caplog.text
+
+
+@pytest.mark.parametrize("rollout_rs,threshold", [(None, None), ("token_k3", 1e-3), ("seq_mean_k1", "0.999_1.001")])
+def test_mismatch_is_measured_before_rejection_sampling_like_verls_rollout_corr(rollout_rs, threshold):
+    """verl's own rollout correction (rejection overwrites response_mask) through the plugin's wrap."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo import rollout_corr_helper
+
+    from verl_lrstab import verl_plugin
+
+    padded = padded_batch()
+    padded["rollout_log_probs"] = padded["old_log_probs"] + 0.05 * torch.randn(
+        padded["old_log_probs"].shape, generator=torch.Generator().manual_seed(1))
+    batch = DataProto.from_dict(tensors=padded)
+    config = RolloutCorrectionConfig(rollout_is=None, rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
+    wrapped = verl_plugin._make_rollout_correction(getattr(rollout_corr_helper.compute_rollout_correction_and_add_to_batch,
+                                                           "_lrstab_original",
+                                                           rollout_corr_helper.compute_rollout_correction_and_add_to_batch))
+    before = batch.batch["response_mask"].clone()
+    batch, verl_metrics = wrapped(batch, config)
+    stats = verl_plugin._pop_pre_rs_stats()
+    if rollout_rs is not None:
+        assert (batch.batch["response_mask"] != before).any(), "rejection sampling must drop tokens here"
+    # the worker sees the post-rejection batch, and the driver's pre-rejection sums
+    worker = left_right_2_no_padding(batch.to_tensordict())
+    ours = global_mismatch_metrics(worker, pre_rejection_stats=stats)
+    assert ours["mismatch/n_tokens"] == before.sum().item()
+    assert ours["mismatch/k3"] == pytest.approx(verl_metrics["rollout_corr/k3_kl"], rel=1e-4)
+    assert ours["mismatch/k1"] == pytest.approx(verl_metrics["rollout_corr/kl"], rel=1e-4)

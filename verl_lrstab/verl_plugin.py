@@ -89,6 +89,21 @@ def install() -> None:
         by_module.setdefault(wrap.module, []).append(wrap)
     for name, wraps in by_module.items():
         when_imported(name, functools.partial(_apply_all, wraps), on_error=report_failure)
+    _mark_process()
+
+
+def _mark_process() -> None:
+    """With ``LRSTAB_PLUGIN_MARKER_DIR`` set, leave ``<dir>/<pid>``: the tests' proof of which processes loaded us."""
+    import os
+
+    directory = os.environ.get("LRSTAB_PLUGIN_MARKER_DIR")
+    if directory:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, str(os.getpid())), "w") as marker:
+                marker.write(" ".join(__import__("sys").argv)[:500])
+        except OSError as exc:
+            logger.warning("verl_lrstab: could not write the plugin marker in %s: %r", directory, exc)
 
 
 def _apply_all(wraps: list, module) -> None:
@@ -278,7 +293,27 @@ def _train_mini_batch_length_surge(worker, scheduler, data, run_original):
     if mismatch is not None:
         scheduler.pending_mismatch_kl = mismatch.get(f"mismatch/{scheduler.config.mismatch_metric}")
     output = run_original()
+    _probe_rank(scheduler)
     return _with_metrics(output, {**scheduler.metrics(), **(mismatch or {})})
+
+
+def _probe_rank(scheduler) -> None:
+    """With ``LRSTAB_PLUGIN_MARKER_DIR`` set, append this rank's LR and scheduler state (the tests' per-rank view)."""
+    import hashlib
+    import json
+    import os
+
+    directory = os.environ.get("LRSTAB_PLUGIN_MARKER_DIR")
+    if not directory:
+        return
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    state = json.dumps(scheduler.state_dict(), sort_keys=True)
+    record = {"rank": rank, "pid": os.getpid(), "update": scheduler.last_epoch, "lr": scheduler.get_last_lr()[0],
+              "state_sha1": hashlib.sha1(state.encode()).hexdigest()}
+    with open(os.path.join(directory, f"lr_rank{rank}_{os.getpid()}.jsonl"), "a") as probe:
+        probe.write(json.dumps(record) + "\n")
 
 
 def _step_position(value) -> tuple:

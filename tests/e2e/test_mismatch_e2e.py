@@ -10,7 +10,7 @@ import pytest
 
 from test_main_ppo_cpu import SURGE, TRAINER, series, surge_run
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 MISMATCH_KEYS = {f"actor/mismatch/{k}" for k in ("k1", "k3", "seq_k1", "seq_k3", "max_abs_diff", "frac_over_thr",
                                                  "n_tokens", "n_nonfinite")}
@@ -62,3 +62,41 @@ def test_trigger_does_not_fire_with_a_budget_above_the_mismatch(main_ppo):
     assert max(k3.values()) < 1.0
     assert set(series(run.metrics, "actor/lrstab/trigger_step").values()) == {-1}
     assert len(set(series(run.metrics, "actor/lr").values())) == 1  # constant LR throughout
+
+
+# -- issue 11: the figures are verl's own rollout_corr ones, measured before rejection sampling ------------
+# token_k3 rejection with a threshold below most bf16-vs-fp32 tokens: verl overwrites response_mask
+# before update_actor; mismatch/* (and the trigger) must still cover every response token.
+REJECTION = ["algorithm.rollout_correction.rollout_rs=token_k3", "algorithm.rollout_correction.rollout_rs_threshold=1e-5"]
+RS_STEPS = 3
+
+
+def assert_equals_verls_rollout_corr(run):
+    """actor/mismatch/k3 and k1 are verl's rollout_corr/k3_kl and rollout_corr/kl (verl computes in float32)."""
+    k3, verl_k3 = series(run.metrics, "actor/mismatch/k3"), series(run.metrics, "rollout_corr/k3_kl")
+    k1, verl_k1 = series(run.metrics, "actor/mismatch/k1"), series(run.metrics, "rollout_corr/kl")
+    assert set(k3) == set(verl_k3) == set(k1) == set(verl_k1) == set(run.metrics), (k3, verl_k3)
+    for step in k3:
+        assert k3[step] == pytest.approx(verl_k3[step], rel=2e-2, abs=1e-8), (step, k3[step], verl_k3[step])
+        assert k1[step] == pytest.approx(verl_k1[step], rel=2e-2, abs=1e-7), (step, k1[step], verl_k1[step])
+
+
+def test_mismatch_equals_verls_rollout_corr_without_rejection(main_ppo):
+    assert_equals_verls_rollout_corr(bf16_run(main_ppo, budget=1e-7))
+
+
+@pytest.mark.parametrize("trainer", ["v0", pytest.param("v1", marks=pytest.mark.slow)])
+def test_rejection_sampling_leaves_the_mismatch_measured_over_every_token(main_ppo, trainer):
+    run = main_ppo(f"bf16-rs-{trainer}", SURGE + TRAINER[trainer] + REJECTION + [
+        f"trainer.total_training_steps={RS_STEPS}",
+        "actor_rollout_ref.rollout.dtype=bfloat16",
+        "actor_rollout_ref.actor.optim.length_surge.trigger=either",
+    ])
+    rejected = series(run.metrics, "rollout_corr/rollout_rs_masked_fraction")
+    assert len(rejected) == RS_STEPS and min(rejected.values()) > 0.05, rejected  # RS really dropped tokens
+    assert_equals_verls_rollout_corr(run)
+    # n_tokens counts every response token, the rejected ones too
+    n_tokens = series(run.metrics, "actor/mismatch/n_tokens")
+    lengths = series(run.metrics, "response_length/mean")
+    for step in n_tokens:
+        assert n_tokens[step] == pytest.approx(lengths[step] * 8 * 4, abs=0.5), step  # 8 prompts x n=4
