@@ -29,8 +29,10 @@ def tiny(assets_dir):
     return tok, load, prompts
 
 
-def make_generator(tok, model, dtype=torch.float32):
-    return TransformersGenerator(model, [tok.convert_tokens_to_ids("<|im_end|>")], tok.pad_token_id, dtype=dtype)
+def make_generator(tok, model, dtype=torch.float32, batch_invariant=False):
+    return TransformersGenerator(
+        model, [tok.convert_tokens_to_ids("<|im_end|>")], tok.pad_token_id, dtype=dtype, batch_invariant=batch_invariant
+    )
 
 
 # -- generation -----------------------------------------------------------------------------------
@@ -58,6 +60,36 @@ def test_sampling_is_per_request_and_batch_independent(tiny):
     assert alone.log_probs == pytest.approx(batched.log_probs, abs=1e-5)
     other = [gen.generate([GenRequest(prompts[1], 20, seed=s)])[0].token_ids for s in range(8)]
     assert len({tuple(t) for t in other}) > 1, "different seeds should give different samples"
+
+
+def test_batch_invariant_generation_does_not_depend_on_batch_mates(tiny):
+    """What the V1 server meets: the same requests batched as they happen to arrive (alone,
+    split in two, in another row order) give bit-identical log-probs and tokens."""
+    tok, load, prompts = tiny
+    more = [
+        tok(tok.apply_chat_template([{"role": "user", "content": f"{a} + {b} ="}], add_generation_prompt=True,
+                                    tokenize=False))["input_ids"]
+        for a, b in ((1, 2), (13, 5), (28, 30), (4, 19), (22, 7))
+    ]
+    reqs = [GenRequest(p, 24, 1.0, logprobs=True, seed=100 + i) for i, p in enumerate(prompts + more)]
+    gen = make_generator(tok, load(), batch_invariant=True)
+    assert gen.compute_dtype == torch.float64 and gen.dtype == torch.float32
+    together = gen.generate(reqs)
+    order = [5, 2, 7, 0, 3, 6, 1, 4]
+    layouts = {
+        "alone": [gen.generate([r])[0] for r in reqs],
+        "split": gen.generate(reqs[:3]) + gen.generate(reqs[3:]),
+        "reordered": [dict(zip(order, gen.generate([reqs[i] for i in order])))[i] for i in range(len(reqs))],
+    }
+    for name, results in layouts.items():
+        for a, b in zip(together, results):
+            assert a.token_ids == b.token_ids and a.log_probs == b.log_probs, name  # bit-identical
+    # the float32 weights are held exactly, and the log-probs are still the float32 model's
+    ref = make_generator(tok, load()).generate(reqs[:1])[0]
+    assert together[0].token_ids == ref.token_ids
+    assert together[0].log_probs == pytest.approx(ref.log_probs, abs=1e-5)
+    with pytest.raises(ValueError, match="batch_invariant.*float32"):
+        make_generator(tok, load(), dtype=torch.bfloat16, batch_invariant=True)
 
 
 def test_stop_token_top_k_and_max_tokens(tiny):
@@ -104,6 +136,12 @@ def test_weight_sync_and_noise(tiny):
     name, param = next((n, p) for n, p in gen.model.named_parameters() if p.dim() == 2)
     rel = ((param - before[name]).std() / before[name].std()).item()
     assert 0.005 < rel < 0.02
+    # the float64 model of batch_invariant gets the same float32 values (weights and noise)
+    wide = make_generator(tok, load(), batch_invariant=True)
+    wide.load_weights(trained.state_dict().items())
+    wide.add_weight_noise(0.01, seed=0)
+    for (n, a), b in zip(gen.model.state_dict().items(), wide.model.state_dict().values()):
+        assert b.dtype == torch.float64 and torch.equal(a, b.float()) and torch.equal(b, b.float().double()), n
 
 
 # -- platform -------------------------------------------------------------------------------------
@@ -163,9 +201,35 @@ def test_backend_options_are_validated():
         engine_kwargs = {"transformers": {"weight_noise": 0.01}}
 
     assert backend_options(Cfg())["weight_noise"] == 0.01
+    assert backend_options(Cfg())["batch_invariant"] is None  # on for float32 generation
     Cfg.engine_kwargs = {"transformers": {"weight_nosie": 0.01}}
     with pytest.raises(ValueError, match=r"weight_nosie.*engine_kwargs\.transformers.*allowed"):
         backend_options(Cfg())
+    Cfg.engine_kwargs = {"transformers": {"batch_invariant": "yes"}}
+    with pytest.raises(ValueError, match=r"engine_kwargs\.transformers\.batch_invariant must be true, false or null"):
+        backend_options(Cfg())
+
+
+def test_v1_batches_in_content_order():
+    """The V1 replay buffer's order and group split depend on the samples' content only."""
+    from verl_lrstab.cpu.sampler import content_order, regroup
+
+    # two groups of prompt (1,) (a duplicated prompt) and one of prompt (2,); responses as 1-tuples
+    uids = ["a"] * 4 + ["b"] * 4 + ["c"] * 4
+    prompts = [(1,)] * 8 + [(2,)] * 4
+    responses = [(r,) for r in (5, 3, 3, 1, 9, 2, 2, 7, 4, 4, 1, 0)]
+    assert content_order(uids, prompts, responses) == [3, 1, 2, 0, 5, 6, 7, 4, 11, 10, 8, 9]
+    new = regroup(uids, prompts, responses)
+    assert new == ["b", "a", "a", "b", "a", "a", "b", "b", "c", "c", "c", "c"]
+    # the same samples arriving in another order (and with their groups split otherwise) end up
+    # in the same batch: same rows in the same order, same groups
+    perm = [7, 0, 11, 4, 2, 9, 5, 1, 10, 3, 8, 6]
+    other_uids = [("b" if i == 0 else "a") if i in (0, 4) else uids[i] for i in perm]  # rows 0 and 4 swap groups
+    p2, r2 = [prompts[i] for i in perm], [responses[i] for i in perm]
+    g2 = regroup(other_uids, p2, r2)
+    order2 = content_order(g2, p2, r2)
+    batch = lambda g, p, r, order: [(p[i], r[i], tuple(sorted(r[j] for j in range(len(g)) if g[j] == g[i]))) for i in order]  # noqa: E731
+    assert batch(g2, p2, r2, order2) == batch(new, prompts, responses, content_order(new, prompts, responses))
 
 
 def test_rewards():

@@ -12,8 +12,20 @@ agree to float rounding; ``dtype=bfloat16`` creates a real training-inference
 mismatch. A temperature of 0 means greedy decoding, with log-probs at temperature 1.
 
 Sampling is reproducible per request when a ``seed`` is given: each request draws
-its own uniforms from its own generator, so its tokens do not depend on which
+its own uniforms from its own generator, so its random draws do not depend on which
 other requests share the batch or in which order they arrived.
+
+Batch invariance: a CPU matmul's rounding depends on the batch's shape and on a row's
+place in it (measured with the tiny model: the same request alone, in another batch or
+at another row gets float32 log-probs that differ by up to ~1e-6), so a server that
+batches whatever arrives together samples from timing-dependent logits (a token flips
+when its uniform falls that close to a boundary). With ``batch_invariant`` (float32
+only) the forward runs in float64 and the logits are rounded to float32: a float64
+value's batch-dependent error (~1e-16 relative) changes its float32 rounding only when
+it lies that close to a rounding boundary (odds ~1e-16/6e-8, ~2e-9 per logit), so
+log-probs and samples are bit-identical however the requests were batched (tested:
+alone, split, reordered). Its cost against the float32 forward and against sampling one
+request at a time: ``scripts/bench_generation.py`` (README, CPU backend).
 """
 
 from __future__ import annotations
@@ -115,6 +127,11 @@ class TransformersGenerator:
         pad_token_id: id used for left padding (masked out, any valid id works).
         dtype: generation dtype (float32 or bfloat16).
         seed: seed of the shared RNG used by requests without their own seed.
+        batch_invariant: compute in float64 and round the logits to float32, so a request's
+            logits do not depend on its batch mates (``dtype=float32`` only).
+
+    Raises:
+        ValueError: ``batch_invariant`` with a dtype other than float32.
     """
 
     def __init__(
@@ -124,9 +141,14 @@ class TransformersGenerator:
         pad_token_id: int = 0,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        batch_invariant: bool = False,
     ):
-        self.model = model.to(dtype=dtype).eval()
+        if batch_invariant and dtype != torch.float32:
+            raise ValueError(f"batch_invariant generation needs dtype float32 (its float64 forward), got {dtype}")
         self.dtype = dtype
+        self.batch_invariant = bool(batch_invariant)
+        self.compute_dtype = torch.float64 if self.batch_invariant else dtype
+        self.model = model.to(dtype=self.compute_dtype).eval()
         self.stop_token_ids = sorted({int(t) for t in stop_token_ids})
         if not self.stop_token_ids:
             raise ValueError("the generation model needs at least one stop token id (eos)")
@@ -137,7 +159,8 @@ class TransformersGenerator:
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy trained weights (HF names) into the generation model, casting to its dtype.
+        """Copy trained weights (HF names) into the generation model, casting to its dtype
+        (float32 weights are held exactly in the float64 model of ``batch_invariant``).
 
         Args:
             named_tensors: ``(name, tensor)`` pairs, e.g. from verl's ``get_per_tensor_param``.
@@ -174,7 +197,8 @@ class TransformersGenerator:
             if param.is_floating_point() and param.numel() > 1:
                 noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
                 std = param.detach().float().std()
-                param.add_((sigma * std * noise).to(param.dtype))
+                # in the generation dtype, so the float64 model of batch_invariant holds float32 values
+                param.copy_(param.to(self.dtype) + (sigma * std * noise).to(self.dtype))
 
     # --------------------------------------------------------------- sampling
     @torch.no_grad()
@@ -214,7 +238,7 @@ class TransformersGenerator:
         done = torch.zeros(bsz, dtype=torch.bool)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
         cache, last_pos = out.past_key_values, positions[:, -1]
-        logits = out.logits[:, -1, :].float()
+        logits = out.logits[:, -1, :].float()  # float64 -> float32 under batch_invariant: the rounding step
 
         for step in range(int(max_new.max())):
             scaled = logits / temps.unsqueeze(1)
