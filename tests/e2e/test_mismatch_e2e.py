@@ -100,3 +100,17 @@ def test_rejection_sampling_leaves_the_mismatch_measured_over_every_token(main_p
     lengths = series(run.metrics, "response_length/mean")
     for step in n_tokens:
         assert n_tokens[step] == pytest.approx(lengths[step] * 8 * 4, abs=0.5), step  # 8 prompts x n=4
+
+
+def test_v1_logs_the_mismatch_figures_every_step(main_ppo):
+    """V1 (jagged worker batches through TransferQueue): the same figures, the same as verl's rollout_corr.
+
+    The run is test_main_ppo_cpu's "short-v1" (float32 both sides), shared within a session.
+    """
+    run = main_ppo("short-v1", SURGE + TRAINER["v1"] + ["trainer.total_training_steps=5"])
+    assert sorted(run.metrics) == [1, 2, 3, 4, 5]
+    for step, data in run.metrics.items():
+        assert MISMATCH_KEYS <= set(data), (step, MISMATCH_KEYS - set(data))
+        assert data["actor/mismatch/n_tokens"] > 0 and 0.0 <= data["actor/mismatch/k3"] <= FP32_K3_MAX
+        assert data["actor/mismatch/k3"] == pytest.approx(data["rollout_corr/k3_kl"], abs=1e-7), step
+        assert data["actor/mismatch/k1"] == pytest.approx(data["rollout_corr/kl"], abs=1e-6), step
