@@ -181,3 +181,23 @@ def test_mismatch_is_measured_before_rejection_sampling_like_verls_rollout_corr(
     assert ours["mismatch/n_tokens"] == before.sum().item()
     assert ours["mismatch/k3"] == pytest.approx(verl_metrics["rollout_corr/k3_kl"], rel=1e-4)
     assert ours["mismatch/k1"] == pytest.approx(verl_metrics["rollout_corr/kl"], rel=1e-4)
+
+
+def test_v0_driver_wrap_hands_the_pre_rejection_stats_to_the_worker_batch():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from verl_lrstab import verl_plugin
+
+    sent = []
+    wrapper = verl_plugin._make_v0_update_actor(
+        lambda self, batch: sent.append(left_right_2_no_padding(batch.to_tensordict())))  # as _update_actor does
+    config = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "length_surge"}}}})
+    batch = DataProto.from_dict(tensors=padded_batch())
+    stats = mismatch.compute_stats(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
+                                   batch.batch["response_mask"]).tolist()
+    verl_plugin._pre_rs.stats = stats
+    wrapper(SimpleNamespace(config=config), batch)
+    assert tu.pop(sent[0], key=verl_plugin.PRE_RS_STATS_KEY, default=None) == stats
+    assert verl_plugin._pop_pre_rs_stats() is None  # consumed: never handed to a later batch
