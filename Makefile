@@ -52,14 +52,16 @@ test-e2e: install
 
 ## The Megatron tests alone (megatron-core 0.16, Python 3.11; also part of make test).
 test-megatron: install-megatron
-	$(PY) -m pytest -q -rs tests/test_megatron_scheduler.py tests/test_megatron_verl.py tests/test_megatron_configs.py
+	$(PY) -m pytest -q -rs tests/test_megatron_scheduler.py tests/test_megatron_cpu.py tests/test_megatron_verl.py \
+		tests/test_megatron_configs.py
 
-## The scheduler tests on megatron-core's 0.19 line (Python 3.12, no verl). PyPI has no CPU torch
+## The scheduler and GPU-check-on-CPU tests on megatron-core's 0.19 line (Python 3.12, no verl). PyPI has no CPU torch
 ## for Python 3.12: torch 2.13.0 comes with its CUDA libraries (2.7 GB download, 4.8 GB on disk, ~2 min).
 test-megatron312:
 	test -x $(VENV312)/bin/python || $(PYTHON312) -m venv $(VENV312)
-	$(VENV312)/bin/pip install --quiet torch==2.13.0 $(MCORE312) pytest
-	PYTHONPATH=. $(VENV312)/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron_scheduler.py
+	$(VENV312)/bin/pip install --quiet torch==2.13.0 $(MCORE312) psutil pytest pytest-timeout
+	PYTHONPATH=. $(VENV312)/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron_scheduler.py \
+		tests/test_megatron_cpu.py
 
 bench: install
 	$(PY) scripts/bench_overhead.py

@@ -35,7 +35,7 @@ def check(name, fn):
     except Exception as exc:  # noqa: BLE001 - report every check
         results.append(False)
         print(f"FAIL {name}: {exc!r}", flush=True)
-        traceback.print_exc(limit=4)
+        traceback.print_exc(limit=int(os.environ.get("TB_LIMIT", "4")))
 
 
 def setup():
@@ -60,14 +60,17 @@ def build():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
 
     from verl_lrstab.megatron import LengthSurgeParamScheduler
 
     torch.manual_seed(0)
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-                               bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+                               bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                               hidden_dropout=0.0, attention_dropout=0.0)  # no RNG: a resume must be bitwise
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
-                     max_sequence_length=32).cuda()
+                     max_sequence_length=32)
+    model = Float16Module(config, model).cuda()  # bf16 weights and activations, as Megatron-LM and verl wrap it
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, min_lr=0.0, weight_decay=WD, bf16=True,
@@ -79,8 +82,7 @@ def build():
 
 
 def train_step(model, opt, sched, update):
-    g = torch.Generator(device="cuda").manual_seed(update)
-    tokens = torch.randint(0, 128, (2, 32), device="cuda", generator=g)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(update)).cuda()
     position_ids = torch.arange(32, device="cuda").unsqueeze(0).expand(2, -1)
     model.zero_grad_buffer()
     opt.zero_grad()
@@ -115,23 +117,59 @@ def run_uninterrupted():
            f"weight decay {wds}"
 
 
-def run_save_load():
-    from megatron.core import dist_checkpointing
+def _fill_fresh_optimizer_state(opt):
+    """megatron-core without TransformerEngine or Apex (torch's AdamW) cannot build the loading state
+    dict of a fresh DistributedOptimizer (``state_dict`` asserts one 'step' over an empty state). Fill
+    the state as megatron-core's own ``_init_optimizer_states_with_dummy_values`` does: one step with
+    zero gradients, here at the fresh scheduler's LR 0 (warmup from 0), so nothing moves; the load
+    then overwrites every value."""
+    from megatron.core.optimizer import distrib_optimizer
 
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return
+    assert all(g["lr"] == 0.0 for g in opt.param_groups)
+    for inner in opt.chained_optimizers:
+        inner._init_optimizer_states_with_dummy_values()
+
+
+def _restore_adam_steps(opt):
+    """With torch's AdamW (no TE/Apex), megatron-core's dp_reshardable load copies each parameter's
+    Adam 'step' from the loading template (the filled state above), not from the checkpoint; the
+    checkpoint's step is in the restored param groups. Put it back, so bias correction continues."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return
+    for inner in opt.chained_optimizers:
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                inner.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
+
+
+def run_save_load():
+    from megatron.core import dist_checkpointing, parallel_state
+
+    # verl's MegatronCheckpointManager metadata (DistributedOptimizer, verl's default layout)
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    model_metadata = {**metadata, "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     model, opt, sched = build()
     for u in range(1, SAVE_AT + 1):
         train_step(model, opt, sched, u)
     with tempfile.TemporaryDirectory() as ckpt:
-        model_sd = model.sharded_state_dict()
-        dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd),
+        model_sd = model.sharded_state_dict(metadata=model_metadata)
+        dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, metadata=metadata),
                                  "lr_scheduler": sched.state_dict()}, ckpt)
         del model, opt, sched
         model, opt, sched = build()
-        model_sd = model.sharded_state_dict()
-        loaded = dist_checkpointing.load({"model": model_sd, "lr_scheduler": sched.state_dict(),
-                                          "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, ckpt)
-        model.load_state_dict(loaded["model"])
+        _fill_fresh_optimizer_state(opt)
+        model_sd = model.sharded_state_dict(metadata=model_metadata)
+        loaded = dist_checkpointing.load({"model": model_sd, "lr_scheduler": sched.state_dict(), "optimizer":
+                                          opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}, ckpt)
+        # Float16Module's sharded keys carry its "module." prefix; its load_state_dict forwards to GPTModel
+        model.load_state_dict({k.removeprefix("module."): v for k, v in loaded["model"].items()})
         opt.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(opt)
         sched.load_state_dict(loaded["lr_scheduler"])
     resumed = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
     assert resumed == state["trace"][SAVE_AT - 1], (resumed, state["trace"][SAVE_AT - 1])
