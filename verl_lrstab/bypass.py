@@ -64,11 +64,12 @@ def capture_first_mini_batch(owner, n_sequences: int, view: View, optimizer=None
             for every mini-batch); restored on exit, also on an exception.
         n_sequences, view: as :class:`FirstMiniBatchCapture` / :meth:`~FirstMiniBatchCapture.wrap_loss`.
         optimizer: a torch optimizer: the figures are all-reduced at its first ``step()``
-            (:meth:`~FirstMiniBatchCapture.optimizer_pre_hook`), where ``on_reduced`` gets them.
-            Without one (or if no step happened: verl skips it for a non-finite grad norm on
-            every rank alike) they are all-reduced on leaving the block, too late for
-            ``on_reduced``, with a warning.
+            (:meth:`~FirstMiniBatchCapture.optimizer_pre_hook`). Without one (or if no step
+            happened: verl skips it for a non-finite grad norm on every rank alike) they are
+            all-reduced on leaving the block, with a warning: after verl's LR scheduler stepped.
         group: the DP group.
+        on_reduced: called once with :meth:`~FirstMiniBatchCapture.metrics` (or None) when the
+            figures are reduced, at the step or on leaving the block.
 
     Yields:
         The :class:`FirstMiniBatchCapture`; its :meth:`~FirstMiniBatchCapture.metrics` after the block.
@@ -88,6 +89,8 @@ def capture_first_mini_batch(owner, n_sequences: int, view: View, optimizer=None
     if not capture.reduced:
         mismatch.warn_once("bypass_late")
         capture.reduce(group)
+        if on_reduced is not None:
+            on_reduced(capture.metrics())
 
 
 class FirstMiniBatchCapture:

@@ -68,11 +68,6 @@ WARNINGS = {
         "(before the optimizer step) with rollout_log_probs; mismatch/n_tokens counts that mini-batch's "
         "tokens and mismatch/bypass_mode is 1."
     ),
-    "identical": (
-        "verl_lrstab: old_log_probs equal rollout_log_probs bit for bit on every response token, as "
-        "with algorithm.rollout_correction.bypass_mode=true (the trainer reuses the rollout's log-probs): "
-        "mismatch/* is then 0 by construction, not a measurement of the two engines."
-    ),
     "bypass_failed": (
         "verl_lrstab: bypass mode: the trainer's log-probs of the first mini-batch could not be read, so "
         "no mismatch/* figures are logged this step (old_log_probs vs rollout_log_probs is 0 by construction)."

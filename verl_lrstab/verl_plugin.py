@@ -283,7 +283,10 @@ def _train_mini_batch_length_surge(worker, scheduler, data, run_original):
     acc = scheduler.__dict__.setdefault("_lrstab_step", StepAccumulator())
     if index == 0:
         acc.reset()
-    acc.add(global_length_stats(data, group), global_mismatch_stats(data, group, pre_rs))
+    length_stats, mismatch_stats = global_length_stats(data, group), global_mismatch_stats(data, group, pre_rs)
+    if _is_bypass(mismatch_stats):  # bypass mode: mismatch/* from the loss's own forward (verl_lrstab.bypass)
+        return _train_mini_batch_bypass(worker, scheduler, data, run_original, acc, length_stats, index == count - 1)
+    acc.add(length_stats, mismatch_stats)
     if index < count - 1:  # not the step's last update: the LR stays, nothing is logged
         with _hold_lr(worker.engine, scheduler):
             return run_original()
@@ -295,6 +298,81 @@ def _train_mini_batch_length_surge(worker, scheduler, data, run_original):
     output = run_original()
     _probe_rank(scheduler)
     return _with_metrics(output, {**scheduler.metrics(), **(mismatch or {})})
+
+
+def _is_bypass(mismatch_stats) -> bool:
+    from verl_lrstab.bypass import is_bypass
+
+    return is_bypass(mismatch_stats)
+
+
+def _train_mini_batch_bypass(worker, scheduler, data, run_original, acc, length_stats, last: bool):
+    """An update in verl's bypass mode (``old_log_probs := rollout_log_probs``, 0 by construction).
+
+    ``mismatch/*`` come instead from the log-probs verl's loss gets for the update's first
+    mini-batch (before any optimizer step) against ``rollout_log_probs``: ``worker.loss_fn``,
+    which the engine reads per mini-batch, observes them for this call only; the sums are
+    all-reduced at the first optimizer step (a torch step pre-hook), before the scheduler steps.
+    """
+    from verl_lrstab import mismatch
+    from verl_lrstab.bypass import BYPASS_KEY, capture_first_mini_batch
+
+    mismatch.warn_once("bypass")
+    key = f"mismatch/{scheduler.config.mismatch_metric}"
+    acc.add_length(length_stats)
+    figures = {}
+    if last:
+        scheduler.pending_response_length, _ = acc.result()
+        scheduler.pending_mismatch_kl = None
+
+    def on_reduced(measured):  # once, on every rank alike
+        acc.add_mismatch(capture.global_stats if measured is not None else None)
+        if last:
+            figures.update(acc.result(scheduler.config.mismatch_metric)[1] or {})
+            scheduler.pending_mismatch_kl = figures.get(key)
+
+    engine = worker.engine
+    with contextlib.nullcontext() if last else _hold_lr(engine, scheduler), capture_first_mini_batch(
+            worker, _first_mini_batch_size(worker, data), bypass_micro_batch_view,
+            optimizer=getattr(engine, "optimizer", None), group=engine.get_data_parallel_group(),
+            on_reduced=on_reduced) as capture:
+        output = run_original()
+    if not last:  # not the step's last update: the LR stays, nothing is logged
+        return output
+    acc.reset()
+    scheduler.pending_mismatch_kl = None  # consumed; or set after the step (no optimizer hook): not for the next
+    _probe_rank(scheduler)
+    if not figures:
+        mismatch.warn_once("bypass_failed")
+    else:
+        figures[BYPASS_KEY] = 1.0
+    return _with_metrics(output, {**scheduler.metrics(), **figures})
+
+
+def _first_mini_batch_size(worker, data) -> int:
+    """The rank's first mini-batch (sequences), as ``TrainingWorker.train_mini_batch`` splits the batch."""
+    from verl.utils import tensordict_utils as tu
+
+    n = int(data.shape[0])
+    try:
+        mini_batch_size = tu.get(data, key="mini_batch_size", default=None)
+        num_mini_batch = tu.get(data, key="num_mini_batch", default=None)
+        if mini_batch_size is not None:
+            n = min(n, int(mini_batch_size) // worker.engine.get_data_parallel_size())
+        elif num_mini_batch is not None:
+            n = n // int(num_mini_batch)
+    except Exception as exc:  # noqa: BLE001 - the optimizer hook still bounds the capture
+        logger.warning("verl_lrstab: could not read the mini-batch size (%r); counting the whole batch", exc)
+    return max(1, n)
+
+
+def bypass_micro_batch_view(model_output, data):
+    """The trainer's and the rollout's log-probs of one micro-batch, padded as verl's ``ppo_loss`` pads them."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    log_probs = no_padding_2_padding(model_output["log_probs"], data)
+    padded = data.select("rollout_log_probs", "response_mask").to_padded_tensor()
+    return log_probs, padded["rollout_log_probs"], padded["response_mask"], int(data.shape[0])
 
 
 def _probe_rank(scheduler) -> None:
@@ -355,7 +433,13 @@ class StepAccumulator:
         self.mismatch_valid = True
 
     def add(self, length_stats, mismatch_stats) -> None:
+        self.add_length(length_stats)
+        self.add_mismatch(mismatch_stats)
+
+    def add_length(self, length_stats) -> None:
         self.length = [self.length[0] + length_stats[0], self.length[1] + length_stats[1]]
+
+    def add_mismatch(self, mismatch_stats) -> None:
         if mismatch_stats is None:
             self.mismatch_valid = False
         elif self.mismatch_valid:
