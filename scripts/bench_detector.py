@@ -8,6 +8,8 @@ traces of ``--real DIR`` (default ``../shared/traces``; read-only, fed as logged
 
 - ``cusum``: :func:`verl_lrstab.schedule.replay` with the default ``LengthSurgeConfig``
   (``detector: cusum``), fed every co-signal the run has (the trainer's code path);
+- ``cusum, no KL``: the same with the score and clip ratio only (a verl run without mismatch
+  figures: what ``lrstab replay`` finds in most logs);
 - ``cusum, length only``: the same without the co-signals (what a run without score sees);
 - ``ratio``: ``replay`` with ``detector: ratio`` (the rule before v2, default options);
 - ``z-score``: rolling z-score of the raw length, previous 50 observations (at least 10), z > 4;
@@ -54,8 +56,9 @@ REAL = {
 }
 
 
-def _cusum(run, cosignals=True):
-    kw = dict(mismatch_kl=run.get("k3"), score=run.get("score"), clip_ratio=run.get("clip")) if cosignals else {}
+def _cusum(run, cosignals=("k3", "score", "clip")):
+    kw = dict(mismatch_kl=run.get("k3"), score=run.get("score"), clip_ratio=run.get("clip"))
+    kw = {k: v for k, v in kw.items() if {"mismatch_kl": "k3", "clip_ratio": "clip"}.get(k, k) in cosignals}
     return replay(run["steps"], run["length"], LengthSurgeConfig(), **kw).surge_step
 
 
@@ -91,7 +94,8 @@ def _three_x(run):
     return next((s for s, v in zip(run["steps"], run["length"]) if s > 50 and v > 3 * base), None)
 
 
-RULES: dict[str, Callable] = {"cusum": _cusum, "cusum, length only": lambda r: _cusum(r, False), "ratio": _ratio,
+RULES: dict[str, Callable] = {"cusum": _cusum, "cusum, no KL": lambda r: _cusum(r, ("score", "clip")),
+                              "cusum, length only": lambda r: _cusum(r, ()), "ratio": _ratio,
                               "z-score": _zscore, "trailing ratio": _trailing, "3x-first-50": _three_x}
 
 

@@ -16,7 +16,8 @@ Two stages, every decision from data up to the current step only:
    ``critic/score/mean``), an alarm arms the detector for up to ``confirm_steps`` steps
    (while the level stays at ``min_rise`` x the alarm's baseline) and it fires on the first
    step where the score **falls** (its 5-step median is ``score_z`` noise units below its
-   pre-alarm level, or below a peak since the alarm that was itself a clear rise), or where it
+   pre-alarm level, below its level 20-60 steps back (a slow rise sags the score from its
+   start), or below a peak since the alarm that was itself a clear rise), or where it
    is not rising and the mismatch KL has grown ``kl_rise`` x (5-step median vs the median
    30-60 steps back) or the clip ratio has risen by ``clip_rise``. A length rise with a rising
    score is learning and is held; so is one with a flat score and no other sign. When the
@@ -45,6 +46,7 @@ _NAN = float("nan")
 LEVEL_STEPS = 5  # the current level: median of the last 5 steps (two odd batches cannot move it)
 NOW_STEPS = 5  # co-signals "now": median of the last 5 steps
 KL_BACK = (30, 60)  # the mismatch KL's reference: the steps 30-60 back
+SCORE_OLD = (20, 60)  # the score's level before a slow rise: the steps 20-60 back
 MIN_ROWS = 8  # windows of a sparse log are widened back to this many rows (a noise scale needs them)
 SCORE_NOISE_STEPS = 60  # the score's noise scale: over the 60 steps before the baseline ends
 MEDIAN_SD = 1.25  # sd of a median of a few values / sd of their mean (~sqrt(pi / 2))
@@ -238,7 +240,9 @@ class CusumDetector:
             noise = max(1.2533 * sum(abs(v - center) for v in vals) / len(vals), 0.01 * abs(ref), 1e-3)
         clip_ref = self._ref(self._clip, lo, hi)[0]
         kl_ref = self._ref(self._kl, step - KL_BACK[1], step - KL_BACK[0])[0]
-        return {"step": step, "baseline": math.exp(b), "score_ref": ref, "score_n": n_ref,
+        old, n_old, _ = self._ref(self._score, step - SCORE_OLD[1], step - SCORE_OLD[0])
+        return {"step": step, "baseline": math.exp(b), "score_ref": ref, "score_n": n_ref, "score_old": old,
+                "score_old_n": n_old,
                 "score_noise": noise, "score_peak": ref, "kl_ref": kl_ref, "clip_ref": clip_ref, "z_factor": 1.0}
 
     def _disarm(self) -> None:
@@ -260,7 +264,9 @@ class CusumDetector:
         self.clip_delta = self._median_in(self._clip, step - NOW_STEPS, step)[0] - a["clip_ref"]
         # A fall from the pre-alarm level, or from a peak since the alarm that was a clear rise.
         top = a["score_peak"] if (a["score_peak"] - a["score_ref"]) / unit >= 2 * self.score_z else a["score_ref"]
-        if (top - now) / unit >= self.score_z * a["z_factor"]:
+        old_unit = MEDIAN_SD * a["score_noise"] * math.sqrt(1 / n_now + 1 / a["score_old_n"]) if a["score_old_n"] else 0
+        if (top - now) / unit >= self.score_z * a["z_factor"] or \
+                (old_unit and (a["score_old"] - now) / old_unit >= self.score_z * a["z_factor"]):
             self._falls = True
             return True  # the score falls while the length is up: the pre-collapse signature
         if self.score_z_now >= self.score_z:
