@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import phenomena  # noqa: E402
 from synthetic_traces import DEFAULT_OUT as SYNTHETIC_DIR  # noqa: E402
 from synthetic_traces import read_meta, specs  # noqa: E402
+import yaml  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from verl_lrstab.config import LengthSurgeConfig  # noqa: E402
@@ -56,10 +57,13 @@ REAL = {
 }
 
 
+OPTIONS: dict = {}  # --set KEY=VALUE: options of the cusum rules (LengthSurgeConfig keys)
+
+
 def _cusum(run, cosignals=("k3", "score", "clip")):
     kw = dict(mismatch_kl=run.get("k3"), score=run.get("score"), clip_ratio=run.get("clip"))
     kw = {k: v for k, v in kw.items() if {"mismatch_kl": "k3", "clip_ratio": "clip"}.get(k, k) in cosignals}
-    return replay(run["steps"], run["length"], LengthSurgeConfig(), **kw).surge_step
+    return replay(run["steps"], run["length"], LengthSurgeConfig(**OPTIONS), **kw).surge_step
 
 
 def _ratio(run):
@@ -100,9 +104,9 @@ RULES: dict[str, Callable] = {"cusum": _cusum, "cusum, no KL": lambda r: _cusum(
 
 
 # -- runs -----------------------------------------------------------------------------------------
-def phenomena_runs(seeds=SEEDS, every: int = 1) -> list[dict]:
+def phenomena_runs(seeds=SEEDS, every: int = 1, classes=phenomena.CLASSES) -> list[dict]:
     runs = []
-    for tr in phenomena.traces(seeds=seeds):
+    for tr in phenomena.traces(seeds=seeds, classes=classes):
         keep = [i for i, s in enumerate(tr.steps) if (s - 1) % every == 0]
         pick = lambda col: [float(col[i]) for i in keep]  # noqa: E731
         runs.append({"name": tr.name, "cls": tr.cls, "expect": tr.expect, "onset": tr.onset, "crash": tr.crash,
@@ -244,10 +248,20 @@ def main() -> None:
     parser.add_argument("--real", type=Path, default=ROOT.parent / "shared" / "traces")
     parser.add_argument("--seeds", type=int, default=len(SEEDS), help="seeds per class (default 8)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "detector_benchmark.md")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the cusum rules, e.g. cusum_score_z=3.0 (repeatable; implies --out '')")
+    parser.add_argument("--classes", default=phenomena.CLASSES, help="classes A-G to run (default: all)")
     args = parser.parse_args()
+    for item in args.set:
+        key, _, value = item.partition("=")
+        OPTIONS[key] = yaml.safe_load(value)
+    LengthSurgeConfig(**OPTIONS)  # a bad key or value stops here, named
+    if OPTIONS:
+        args.out = None  # the committed report is the defaults'
     seeds = range(args.seeds)
-    groups = {"dense": phenomena_runs(seeds), "logged every 5 steps": phenomena_runs(seeds, 5),
-              "logged every 10 steps": phenomena_runs(seeds, 10)}
+    groups = {"dense": phenomena_runs(seeds, classes=args.classes),
+              "logged every 5 steps": phenomena_runs(seeds, 5, args.classes),
+              "logged every 10 steps": phenomena_runs(seeds, 10, args.classes)}
     for key, runs in groups.items():
         score_all(runs, key)
     synthetic, real = synthetic_runs(), real_runs(args.real)

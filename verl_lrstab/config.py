@@ -79,7 +79,7 @@ class LengthSurgeConfig:
         cusum_confirm_steps (int): cusum, with a score: steps an alarm waits for a co-signal.
             Default 40.
         cusum_score_z (float): cusum: a score change counts as a fall / rise beyond this many
-            noise units (> 0). Default 3.0.
+            noise units (> 0). Default 3.5.
         cusum_kl_rise (float): cusum: growth of the mismatch KL (last 5 steps vs 30-60 steps
             back) that confirms an alarm (> 1). Default 1.5.
         cusum_clip_rise (float): cusum: rise of ``response_length/clip_ratio`` that confirms an
@@ -121,7 +121,7 @@ class LengthSurgeConfig:
     cusum_rebound_margin: float = 1.3
     cusum_rebound_memory: int = 100
     cusum_confirm_steps: int = 40
-    cusum_score_z: float = 3.0
+    cusum_score_z: float = 3.5
     cusum_kl_rise: float = 1.5
     cusum_clip_rise: float = 0.25
     mismatch_budget: Optional[float] = None
