@@ -9,7 +9,7 @@ Two stages, every decision from data up to the current step only:
    (absorbed by the trailing baseline) do not. The alarm also needs the level (median of the
    last 5 steps: two odd batches cannot move it) at ``min_rise`` x the baseline or more. With
    no score, it is not raised when the run was already at that level before (a **rebound**:
-   the highest 3-row median of the last ``rebound_memory`` steps before the baseline, skipped
+   the highest 5-row median of the last ``rebound_memory`` steps before the baseline, skipped
    early steps included, is at least ``min_rise`` x the baseline and the level is below
    ``rebound_margin`` x it).
 2. **Co-signals.** Without a reward/score, the alarm is the surge. With a score (verl's
@@ -106,7 +106,7 @@ class CusumDetector:
         self.noise_floor, self.rebound_margin = float(noise_floor), float(rebound_margin)
         self.rebound_memory, self.confirm_steps, self.score_z = rebound_memory, confirm_steps, float(score_z)
         self.kl_rise, self.clip_rise, self.max_surges = float(kl_rise), float(clip_rise), max_surges
-        # rows (step, value): log lengths, rolling 3-row medians, co-signals
+        # rows (step, value): log lengths, rolling 5-row medians, co-signals
         self._log: list[list] = []
         self._high: list[list] = []
         self._score: list[list] = []
