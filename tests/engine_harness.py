@@ -262,7 +262,8 @@ def run_steps(worker, first: int, last: int, rank: int, world_size: int, rollout
         batch, logged_mean = make_actor_batch(lengths, seed=1000 * step + rank, world_size=world_size,
                                               rollout_log_probs=rollout_log_probs)
         if updates_per_step > 1:  # what the V1 separate_async driver wrap adds (verl_plugin.STEP_POSITION_KEY)
-            tu.assign_non_tensor(batch, lrstab_step_position=[(step - 1) % updates_per_step, updates_per_step])
+            # as V1 hands extra_info to the worker: one NonTensorData value (transferqueue_utils)
+            tu.assign_non_tensor_data(batch, "lrstab_step_position", [(step - 1) % updates_per_step, updates_per_step])
         start = time.perf_counter()
         output = worker.update_actor(batch)
         seconds = time.perf_counter() - start

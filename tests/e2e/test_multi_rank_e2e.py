@@ -24,6 +24,10 @@ def test_two_fsdp_ranks_log_the_same_lr_every_step(main_ppo, tmp_path_factory):
         f"trainer.total_training_steps={STEPS}",
         "trainer.n_gpus_per_node=2",
         "ray_kwargs.ray_init.num_gpus=2",
+        # 32 samples per step, 16 per rank: micro-batches must divide them
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.rollout.dtype=bfloat16",  # a mismatch too, so both figures are all-reduced
         "actor_rollout_ref.actor.optim.length_surge.trigger=either",
     ], env={"LRSTAB_PLUGIN_MARKER_DIR": str(probes)})
