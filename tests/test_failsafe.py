@@ -169,3 +169,24 @@ def test_wrappers_pass_new_verl_keywords_through():
     assert Worker.train_mini_batch._lrstab_wrapped
     assert Worker().train_mini_batch("batch", new_flag=True) == ("verl's", "batch", True)
     assert Worker().train_mini_batch(data="batch") == ("verl's", "batch", False)
+
+
+@pytest.mark.parametrize("wrap", verl_plugin.WRAPS, ids=lambda w: w.target)
+def test_every_registered_wrap_is_fail_safe_when_its_target_is_gone(wrap, monkeypatch):
+    # Each target of the registry, missing: apply() reports it and raises nothing.
+    from verl_lrstab import _hooks
+
+    monkeypatch.setattr(_hooks, "FAILURES", [])
+    monkeypatch.setattr(_hooks, "_guard_armed", True)  # do not guard this test process's config classes
+    module = type(sys)(wrap.module)
+    if wrap.owner:  # the owner exists, the attribute does not
+        owner = module
+        for part in wrap.owner.split("."):
+            setattr(owner, part, type(part, (), {}))
+            owner = getattr(owner, part)
+        if wrap.attribute.startswith("__"):  # every class has __init__/__post_init__ of some kind: not verl's
+            setattr(owner, wrap.attribute, None)
+    assert verl_plugin.apply(wrap, module) is False
+    assert [target for target, _ in _hooks.FAILURES] == [wrap.target]
+    with pytest.raises(RuntimeError, match="length_surge cannot be used"):
+        _hooks.check_usable()
