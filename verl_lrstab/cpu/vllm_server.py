@@ -89,6 +89,33 @@ class CPUvLLMHttpServer(vLLMHttpServer):
     def __init__(self, *args, **kwargs):
         os.environ.setdefault(KVCACHE_ENV, DEFAULT_KVCACHE_GIB)
         super().__init__(*args, **kwargs)
+        if os.environ.get("VLLM_BATCH_INVARIANT") == "1":
+            # verl's full_determinism asks for vLLM's batch-invariant kernels: Triton kernels, none on
+            # CPU (the engine dies with "'function' object is not subscriptable"). The engine
+            # processes start later and inherit this environment.
+            logger.warning("vLLM-CPU rollout: VLLM_BATCH_INVARIANT=0 (vLLM's batch-invariant kernels need Triton)")
+            os.environ["VLLM_BATCH_INVARIANT"] = "0"
+        self._seed_version, self._seed_repeats = None, {}
+
+    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        """verl's ``generate``; under ``full_determinism`` each request gets its own seed.
+
+        verl seeds every request with the same ``replica_rank + seed`` and gives the ``n`` samples
+        of a prompt the same request id, so its seeded samples of one prompt would all be equal.
+        Here the seed is drawn from (seed, weight version, request id, prompt, repeat index), as
+        the transformers backend does (:func:`.generation.request_seed`).
+        """
+        if self.config.full_determinism and "seed" not in sampling_params:
+            from .generation import request_seed
+
+            if self._seed_version != self.global_steps:
+                self._seed_version, self._seed_repeats = self.global_steps, {}
+            key = (request_id, tuple(int(t) for t in prompt_ids))
+            repeat = self._seed_repeats.get(key, 0)
+            self._seed_repeats[key] = repeat + 1
+            sampling_params = {**sampling_params,
+                               "seed": request_seed(self.config.seed, self.global_steps, request_id, list(key[1]), repeat)}
+        return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
 
     def _init_config(self, config):
         config = super()._init_config(config)

@@ -1,0 +1,65 @@
+"""The vLLM-CPU glue that runs without a vLLM engine: opt-in registration, shared-memory clean-up,
+the vLLM-shaped assets recipe (the engine itself: tests/e2e/test_vllm_e2e.py)."""
+
+from __future__ import annotations
+
+import pytest
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+from verl_lrstab.cpu import assets, vllm_assets, vllm_rollout
+
+
+@pytest.fixture
+def registry_snapshot():
+    saved = dict(RolloutReplicaRegistry._registry)
+    yield
+    RolloutReplicaRegistry._registry.clear()
+    RolloutReplicaRegistry._registry.update(saved)
+
+
+def test_vllm_name_untouched_unless_the_cpu_platform_is_selected(monkeypatch, registry_snapshot):
+    from verl.workers.rollout import replica
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    RolloutReplicaRegistry.register("vllm", replica._load_vllm)
+    assert vllm_rollout.register() is False
+    assert RolloutReplicaRegistry._registry["vllm"] is replica._load_vllm  # verl's own loader
+
+    monkeypatch.setenv("VERL_PLATFORM", "npu")
+    assert vllm_rollout.register() is False
+    assert RolloutReplicaRegistry._registry["vllm"] is replica._load_vllm
+
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    assert vllm_rollout.register() is True
+    # a loader: registering imports nothing of vLLM; the class is loaded when a run asks for it
+    assert RolloutReplicaRegistry._registry["vllm"] is vllm_rollout._load_cpu_vllm_replica
+
+
+def test_engine_shm_cleanup_removes_only_what_appeared(tmp_path):
+    (tmp_path / "psm_before").write_bytes(b"x")
+    (tmp_path / "other_file").write_bytes(b"x")
+    with vllm_rollout.engine_shm_cleanup(tmp_path) as removed:
+        (tmp_path / "psm_new1").write_bytes(b"x")
+        (tmp_path / "psm_new2").write_bytes(b"x")
+        (tmp_path / "sem.mp-new").write_bytes(b"x")
+    assert removed == ["psm_new1", "psm_new2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_file", "psm_before", "sem.mp-new"]
+
+
+def test_loopback_env_binds_vllm_and_ray_to_127():
+    env = vllm_rollout.loopback_env()
+    assert env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # Ray's single-machine mode: node IP 127.0.0.1
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_vllm_assets_recipe_has_head_size_32_and_leaves_the_shared_recipe_alone():
+    before = dict(assets.RECIPE)
+    shape = {**assets.RECIPE, **vllm_assets.VLLM_SHAPE}
+    assert shape["hidden_size"] // shape["num_attention_heads"] == 32  # vLLM-CPU: head sizes 32, 64, 80, ...
+    assert shape["hidden_size"] // assets.RECIPE["num_attention_heads"] != 32  # why it needs its own assets
+    with pytest.raises(RuntimeError):
+        with vllm_assets._recipe(**vllm_assets.VLLM_SHAPE):
+            assert assets.RECIPE["num_attention_heads"] == 2
+            raise RuntimeError("build failed")
+    assert assets.RECIPE == before
