@@ -11,7 +11,9 @@ TORCH   ?= torch==2.13.0
 VERL    ?= verl==0.9.1 cachetools fastapi uvicorn TransferQueue==0.1.11
 # verl's Megatron engine (README "Megatron"): megatron-core 0.16.1 is the newest for Python 3.11
 # (it changes no torch/transformers/numpy pin); the 0.19 line needs Python 3.12 (test-megatron312).
-MCORE   ?= megatron-core==0.16.1
+# mbridge (+ einops, undeclared): verl's vanilla bridge, for the worker test (megatron-bridge 0.5.2,
+# verl's default, is not on PyPI).
+MCORE   ?= megatron-core==0.16.1 mbridge==0.15.1 einops
 MCORE312 ?= megatron-core==0.19.2
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV312 ?= .venv312

@@ -58,8 +58,11 @@ class _Done:
 
 
 @contextlib.contextmanager
-def cuda_on_cpu(port: int = 29631):
-    """One gloo process whose megatron-core believes it runs on ``cuda:0``."""
+def cuda_on_cpu(port: int = 29631, init: bool = True):
+    """One gloo process whose megatron-core believes it runs on ``cuda:0``.
+
+    ``init=False``: the caller (verl's worker) creates the process group and parallel state.
+    """
     patches = {
         (torch.cuda, "current_device"): lambda: 0,
         (torch.cuda, "set_device"): lambda device: None,
@@ -75,21 +78,66 @@ def cuda_on_cpu(port: int = 29631):
     patches[(mcore_random, "_set_cuda_rng_state")] = lambda state, *a, **k: torch.set_rng_state(state)
     patches[(mcore_random, "_get_cuda_rng_state")] = lambda *a, **k: torch.get_rng_state()
     saved = {key: getattr(*key) for key in patches}
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
     for (owner, name), value in patches.items():
         setattr(owner, name, value)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if init:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         with _CudaToCpu():
             yield
     finally:
-        from megatron.core import parallel_state
+        if init:
+            from megatron.core import parallel_state
 
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
         for (owner, name), value in saved.items():
             setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def verl_megatron_on_cpu():
+    """:func:`cuda_on_cpu` for verl's Megatron worker (verl creates the process group), plus what
+    its model path needs without TransformerEngine: mbridge builds megatron-core's local layer
+    spec (it hard-codes TE's) and maps the local spec's separate norm weights, and the local
+    attention gets verl's ``[b, s]`` keep-mask as the 4-D causal+padding mask it expects."""
+    import mbridge.core.llm_bridge as llm_bridge
+    from mbridge.models.qwen2 import Qwen2Bridge
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from verl.workers.engine.megatron import transformer_impl
+
+    block_spec, mlp_mapping, attention = (llm_bridge.get_gpt_decoder_block_spec, Qwen2Bridge._MLP_MAPPING,
+                                          DotProductAttention.forward)
+    module_device = transformer_impl.get_megatron_module_device
+
+    def local_block_spec(config, use_transformer_engine, **kwargs):
+        return block_spec(config, False, **kwargs)
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 2:  # [b, s], True = token
+            s = attention_mask.shape[1]
+            causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=attention_mask.device), diagonal=1)
+            attention_mask = (~attention_mask.bool())[:, None, None, :] | causal  # True = masked out
+        return attention(self, query, key, value, attention_mask, *args, **kwargs)
+
+    llm_bridge.get_gpt_decoder_block_spec = local_block_spec
+    Qwen2Bridge._MLP_MAPPING = {  # "mlp" in the name routes these to the MLP table
+        "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"], **mlp_mapping}
+    other = dict(Qwen2Bridge._OTHER_MAPPING)
+    Qwen2Bridge._OTHER_MAPPING = {**other, "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+    DotProductAttention.forward = forward
+    # The model "is" on cuda:0: a CPU model would be taken for an offloaded one and "reloaded".
+    transformer_impl.get_megatron_module_device = lambda module: "cuda"
+    try:
+        with cuda_on_cpu(init=False):
+            yield
+    finally:
+        llm_bridge.get_gpt_decoder_block_spec = block_spec
+        Qwen2Bridge._MLP_MAPPING, Qwen2Bridge._OTHER_MAPPING = mlp_mapping, other
+        DotProductAttention.forward = attention
+        transformer_impl.get_megatron_module_device = module_device
 
 
 def run_gpu_check_on_cpu() -> int:
