@@ -21,6 +21,9 @@ means are token- (or sequence-) weighted over the whole global batch.
 
 Layouts: padded ``(bs, T)`` tensors (verl's V0 trainer, and the driver in V1), verl's jagged
 nested tensors (the V1 worker batch), or flat 1-D values with ``offsets``.
+
+In verl's bypass mode ``old_log_probs`` is ``rollout_log_probs`` (exact zeros here);
+:mod:`verl_lrstab.bypass` then feeds the trainer's log-probs from the loss's forward instead.
 """
 
 from __future__ import annotations

@@ -5,17 +5,26 @@ log-probs and never recomputes them; the figures then come from the trainer's ow
 first mini-batch's forward (``verl_lrstab.bypass``). The CPU rollout generates in bf16 (a real
 mismatch against the fp32 trainer) or fp32 (none). Each bypass run has a twin without bypass mode
 (``test_mismatch_e2e.bf16_run``: same overrides otherwise), whose first step samples the same
-tokens with the same weights: there the two figures must agree.
+tokens with the same weights: there the two figures must agree. The last test drives verl's
+actor worker directly (2 DP ranks, 2 mini-batches per update: ``tests/bypass_engine_check.py``).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 
 from test_main_ppo_cpu import SURGE, TRAINER, series
 from test_mismatch_e2e import BF16_STEPS, FP32_K3_MAX, MISMATCH_KEYS, bf16_run
+from verl_lrstab.mismatch import finalize
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]  # a test may start two runs of RUN_TIMEOUT_S
 
 BYPASS = "algorithm.rollout_correction.bypass_mode=true"
 BYPASS_KEY = "actor/mismatch/bypass_mode"
@@ -95,3 +104,64 @@ def test_bypass_mode_with_the_v1_trainer(main_ppo):
     for step, data in run.metrics.items():
         assert data.get(BYPASS_KEY) == 1.0, step
         assert data["actor/mismatch/k3"] > 10 * FP32_K3_MAX and data["actor/mismatch/n_tokens"] > 0, step
+
+
+# -- verl's actor worker directly: 2 DP ranks, 2 mini-batches per update -------------------------------
+TESTS = Path(__file__).resolve().parents[1]
+ENGINE_STEPS = 5
+
+
+def run_ranks(script: Path, model_dir: Path, out_dir: Path, world_size: int, *args: str) -> list[dict]:
+    """``script`` in one process per rank (gloo, no Ray); the ranks' JSON outputs."""
+    sys.path.insert(0, str(TESTS))
+    import engine_harness as h
+
+    port, procs = str(h.free_port()), []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        out, log = out_dir / f"rank{rank}.json", out_dir / f"rank{rank}.log"
+        with open(log, "w") as log_file:
+            cmd = [sys.executable, str(script), "--model", str(model_dir), "--out", str(out), *args]
+            procs.append((subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT), out, log))
+    try:
+        for proc, _, log in procs:
+            if proc.wait(timeout=240) != 0:
+                pytest.fail(f"{script.name} failed (log {log}):\n" + "\n".join(log.read_text().splitlines()[-30:]))
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [json.loads(out.read_text()) for _, out, _ in procs]
+
+
+def _global(records, key):
+    """:func:`finalize` of the ranks' stats summed (max for the max), as the DP all-reduce gives."""
+    stats = torch.stack([torch.tensor(r[key], dtype=torch.float64) for r in records])
+    return finalize(torch.cat([stats[:, :-1].sum(0), stats[:, -1:].max(0).values]))
+
+
+@pytest.mark.timeout(400)
+def test_verl_actor_worker_two_ranks_two_mini_batches(tmp_path):
+    """The logged figure is the first mini-batch's (not the whole batch's), all-reduced over 2 ranks,
+    and reaches the mismatch trigger before the LR steps on every update."""
+    sys.path.insert(0, str(TESTS))
+    import engine_harness as h
+
+    model = h.build_tiny_model(tmp_path / "model")
+    ranks = run_ranks(TESTS / "bypass_engine_check.py", Path(model), tmp_path, 2, "--steps", str(ENGINE_STEPS))
+    for step in range(ENGINE_STEPS):
+        per_rank = [r["records"][step] for r in ranks]
+        logged = per_rank[0]["logged"]
+        assert all(p["logged"] == logged for p in per_rank), "the ranks must log the same global figures"
+        first, whole = _global(per_rank, "expected_first_stats"), _global(per_rank, "whole_batch_stats")
+        assert logged["mismatch/bypass_mode"] == 1.0
+        assert logged["mismatch/n_tokens"] == first["mismatch/n_tokens"] < whole["mismatch/n_tokens"]
+        for key in ("k1", "k3", "seq_k3", "max_abs_diff", "frac_over_thr"):
+            assert logged[f"mismatch/{key}"] == pytest.approx(first[f"mismatch/{key}"], rel=1e-5, abs=1e-9), key
+        assert logged["mismatch/k3"] != pytest.approx(whole["mismatch/k3"], rel=1e-3)  # not the whole batch
+        trigger = [p["trigger"] for p in per_rank]
+        assert all(t["num_skipped"] == 0 and t["last_step"] == step + 1 for t in trigger), trigger
+    # budget 1e-9, skip_first_steps 2, patience 2 (engine_harness): fires at update 4 when every update's
+    # figure reached the scheduler before it stepped
+    assert [r["records"][-1]["trigger"]["fired_step"] for r in ranks] == [4, 4]
