@@ -9,12 +9,16 @@ Runs are shared between tests (``main_ppo`` fixture); the V1 surge/resume forms 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
+from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.cpu.launch import CONFIG_DIR
 from verl_lrstab.schedule import replay
+from verl_lrstab.scheduler import LengthSurgeLR
 
 pytestmark = pytest.mark.e2e
 
@@ -77,6 +81,27 @@ def test_rollout_log_probs_are_the_trainers(main_ppo, trainer):
     assert max(gaps.values()) < 1e-4, gaps
 
 
+# Bit-identical from run to run: the samples (lengths, scores), the trainer's figures, the LR.
+REPRODUCED_KEYS = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/lr",
+                   "rollout_corr/log_ppl_abs_diff")
+
+
+def test_v1_runs_are_reproducible(main_ppo):
+    """Two identical V1 runs give bit-identical samples and updates on every step.
+
+    V1 batches rollout requests as they arrive and trains on samples in the order they finish;
+    the rollout's batch-invariant forward and ContentOrderedReplayBuffer (configs/cpu_demo.yaml)
+    take the timing out. Without them (issue 16), actor/pg_loss differed already at step 1.
+    """
+    overrides = SURGE + TRAINER["v1"] + ["trainer.total_training_steps=5"]
+    a, b = main_ppo("short-v1", overrides), main_ppo("short-v1-again", overrides)
+    assert sorted(a.metrics) == sorted(b.metrics) == [1, 2, 3, 4, 5]
+    for step in a.metrics:
+        keys = list(REPRODUCED_KEYS) + [k for k in a.metrics[step] if k.startswith("actor/lrstab/")]
+        for key in keys:
+            assert a.metrics[step][key] == b.metrics[step][key], (step, key)
+
+
 # -- 2. a provoked surge: the detector fires and actor/lr follows the decay rule ------------------
 def expected_lr(step: int, surge: int, period: int, gamma: float = 0.5, floor: float = 0.1) -> float:
     """verl logs the LR after stepping: the LR of update ``step + 1`` (origin "surge")."""
@@ -112,13 +137,12 @@ def test_provoked_surge_decays_lr(main_ppo, trainer):
     assert offline.surge_step == s
 
 
-# -- 3. resume from a checkpoint reproduces the uninterrupted run ----------------------------------
+# -- 3. resume from a checkpoint continues the schedule exactly -------------------------------------
 RESUMED_KEYS = ("actor/lr", "response_length/mean")
 
 
-@pytest.mark.parametrize("trainer", ["v0", V1_SLOW])
-def test_resume_matches_uninterrupted_run(main_ppo, trainer):
-    full = surge_run(main_ppo, trainer)
+def resumed_run(main_ppo, trainer: str):
+    """A run stopped with a checkpoint at RESUME_AT and resumed (``resume_mode=auto``) to N_STEPS."""
     name, base = f"resume-{trainer}", SURGE + TRAINER[trainer]
     # verl's file logger opens its file with "wb": each segment writes its own file.
     first = main_ppo(name, base + [f"trainer.total_training_steps={RESUME_AT}", f"trainer.save_freq={RESUME_AT}"],
@@ -127,7 +151,72 @@ def test_resume_matches_uninterrupted_run(main_ppo, trainer):
                       metrics_name="segment2.jsonl")
     assert sorted(first.metrics) == list(range(1, RESUME_AT + 1))
     assert sorted(second.metrics) == list(range(RESUME_AT + 1, N_STEPS + 1)), "did not resume at the checkpoint"
+    return first, second
 
+
+def fresh_scheduler() -> LengthSurgeLR:
+    """verl-lrstab's own torch scheduler with this run's options, on a one-parameter optimizer."""
+    return LengthSurgeLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR0), length_surge_options())
+
+
+def step_as_logged(scheduler: LengthSurgeLR, data: dict) -> None:
+    """Step with the figures the trainer's scheduler consumed at that step (its logged metrics)."""
+    metric = LengthSurgeConfig.from_dict(length_surge_options()).mismatch_metric
+    kl = data.get("actor/lrstab/mismatch_kl", data.get(f"actor/mismatch/{metric}"))
+    scheduler.step(data["actor/lrstab/response_length"], kl)
+
+
+def same(a, b) -> bool:
+    """Exact equality of nested plain values, NaN equal to NaN."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("trainer", ["v0", V1_SLOW])
+def test_resume_restores_the_checkpointed_schedule(main_ppo, trainer):
+    """Holds whether or not two runs are bit-identical: the checkpoint's scheduler state is the
+    state of its step (as the logged figures give it), and the resumed run's LR follows from it."""
+    first, second = resumed_run(main_ppo, trainer)
+    ckpt = sorted(Path(first.metrics_path.parent, "checkpoints", f"global_step_{RESUME_AT}").rglob(
+        "extra_state_world_size_*_rank_0.pt"))
+    assert len(ckpt) == 1, ckpt
+    saved = torch.load(ckpt[0], weights_only=False)["lr_scheduler"]  # the file also holds verl's numpy RNG state
+
+    # the state of step RESUME_AT, rebuilt from the first segment's log: detector history, trigger,
+    # period, LR
+    logged = fresh_scheduler()
+    for step in range(1, RESUME_AT + 1):
+        step_as_logged(logged, first.metrics[step])
+    assert same(saved, logged.state_dict()), (saved, logged.state_dict())
+    assert saved["last_epoch"] == RESUME_AT and saved["_last_lr"] == [first.metrics[RESUME_AT]["actor/lr"]]
+    trigger = saved["schedule"]["trigger_step"]
+    assert trigger is not None and trigger <= RESUME_AT, "the checkpoint must hold a fired detector"
+    assert first.metrics[RESUME_AT]["actor/lrstab/trigger_step"] == trigger
+    assert first.metrics[RESUME_AT]["actor/lrstab/decay_period"] == logged.decay_period == max(
+        1, math.floor(PERIOD_FACTOR * trigger + 0.5))
+
+    # the resumed run continues from the checkpoint's state, not from a fresh schedule
+    restored = fresh_scheduler()
+    restored.load_state_dict(saved)
+    for step in range(RESUME_AT + 1, N_STEPS + 1):
+        step_as_logged(restored, second.metrics[step])
+        assert second.metrics[step]["actor/lr"] == pytest.approx(restored.get_last_lr()[0], rel=1e-12), step
+        for key, value in restored.metrics().items():
+            assert second.metrics[step][f"actor/{key}"] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, key)
+    assert restored.surge_step == trigger and restored.get_last_lr()[0] < LR0 / 2, "a second decay after resuming"
+
+
+@pytest.mark.parametrize("trainer", ["v0", V1_SLOW])
+def test_resume_matches_uninterrupted_run(main_ppo, trainer):
+    """Where runs are bit-reproducible (V0; V1 with ContentOrderedReplayBuffer and the batch-invariant
+    rollout) the resumed run also gives the uninterrupted run's samples and LRs."""
+    full = surge_run(main_ppo, trainer)
+    first, second = resumed_run(main_ppo, trainer)
     stitched = {**first.metrics, **second.metrics}
     for step in range(1, N_STEPS + 1):
         want, got = full.metrics[step], stitched[step]
@@ -138,7 +227,7 @@ def test_resume_matches_uninterrupted_run(main_ppo, trainer):
 
 
 # -- 5. without length_surge the installed package changes nothing ---------------------------------
-def test_other_schedulers_match_stock_verl(main_ppo):
+def test_other_schedulers_match_stock_verl(main_ppo, tmp_path_factory):
     """cosine + warmup, with the verl-lrstab plugin loaded vs disabled (VERL_USE_EXTERNAL_PLUGINS=none)."""
     overrides = TRAINER["v0"] + [
         "trainer.total_training_steps=4",
@@ -146,8 +235,13 @@ def test_other_schedulers_match_stock_verl(main_ppo):
         "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
         "~actor_rollout_ref.actor.optim.length_surge",
     ]
-    with_plugin = main_ppo("cosine-plugin", overrides)
-    stock = main_ppo("cosine-stock", overrides, env={"VERL_USE_EXTERNAL_PLUGINS": "none"})
+    # every process that loads the plugin leaves a marker file (verl_plugin._mark_process)
+    markers = {name: Path(tmp_path_factory.mktemp(f"markers-{name}")) for name in ("plugin", "stock")}
+    with_plugin = main_ppo("cosine-plugin", overrides, env={"LRSTAB_PLUGIN_MARKER_DIR": str(markers["plugin"])})
+    stock = main_ppo("cosine-stock", overrides, env={"VERL_USE_EXTERNAL_PLUGINS": "none",
+                                                     "LRSTAB_PLUGIN_MARKER_DIR": str(markers["stock"])})
+    assert len(list(markers["plugin"].iterdir())) >= 2, "driver, TaskRunner and workers load the plugin"
+    assert not list(markers["stock"].iterdir()), [p.read_text() for p in markers["stock"].iterdir()]
     assert sorted(with_plugin.metrics) == sorted(stock.metrics) == [1, 2, 3, 4]
     lrs = [stock.metrics[s]["actor/lr"] for s in range(1, 5)]
     assert len(set(lrs)) > 2, f"the LR should move under cosine + warmup: {lrs}"
