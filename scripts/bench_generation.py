@@ -10,7 +10,7 @@ Not a timed test: prints a table. One "step" is what the demo's V1 server gets: 
     tokens/s is a rate.
 
 Models: the demo's tiny asset model (``.assets``, built if missing; per-token Python overhead
-dominates) and a random Qwen2 of about 5M parameters (never stops: always 48 tokens), where
+dominates) and a random Qwen2 of about 6M parameters (rarely stops early), where
 the matmuls dominate.
 
     python scripts/bench_generation.py [--threads 2] [--repeats 3]
