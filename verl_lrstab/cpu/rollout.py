@@ -28,7 +28,8 @@ Options (``actor_rollout_ref.rollout.*``):
   * ``engine_kwargs.transformers.batch_invariant`` (default: true with ``dtype=float32``):
     float64 forward, logits rounded to float32, so which requests happened to share a
     batch (timing) does not change a request's log-probs or samples (:mod:`.generation`).
-    ``false``: the plain float32 forward (~1.7x faster, batch-dependent rounding).
+    ``false``: the plain float32 forward (batch-dependent rounding; 1.2x the tokens/s on the
+    demo's tiny model, 1.6x on a 6.4M-parameter one: ``scripts/bench_generation.py``).
   * ``engine_kwargs.transformers.num_threads`` (default: unchanged): torch threads.
 """
 
