@@ -2,7 +2,8 @@
 
 Each rank's glue appends its LR and a hash of its scheduler state after every update to
 ``$LRSTAB_PLUGIN_MARKER_DIR`` (``verl_plugin._probe_rank``); the two ranks' records must agree
-step for step, and with the ``actor/lr`` verl logged. Slow: two FSDP workers on 2 cores.
+step for step, and with the ``actor/lr`` verl logged. Two FSDP workers fit the 2 cores: the run
+took 56 s (``pytest -m "" tests/e2e/test_multi_rank_e2e.py``), so it is in ``make test``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 from test_main_ppo_cpu import SURGE, TRAINER, series
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 STEPS = 4
 
