@@ -299,7 +299,8 @@ def bench_rollout(ctx: Context) -> list[dict]:
     rows = []
     for dtype in ("bfloat16", "float32"):
         model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32, attn_implementation="sdpa")
-        gen = TransformersGenerator(model, stop_token_ids=[], pad_token_id=tokenizer.pad_token_id,
+        # an id outside the vocabulary: no sample ever stops (vLLM's ignore_eos), equal token counts
+        gen = TransformersGenerator(model, stop_token_ids=[model.config.vocab_size], pad_token_id=tokenizer.pad_token_id,
                                     dtype=resolve_dtype(dtype), seed=0)
         reqs = [GenRequest(prompt_ids=p, max_tokens=ROLLOUT_TOKENS, logprobs=True) for p in prompts for _ in range(ROLLOUT_N)]
         seconds, tokens = _median_time(lambda: sum(len(r.token_ids) for r in gen.generate(reqs)), ROLLOUT_REPEATS)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -58,7 +57,8 @@ def vllm_assets() -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_run(tmp_path_factory, vllm_assets):
-    """``vllm_run(name, overrides, metrics_name=...)``: a checked, memoised main_ppo run with vLLM.
+    """``vllm_run(name, overrides, metrics_name=...)``: a checked, memoised main_ppo run with vLLM
+    (logs and metrics stay in pytest's temporary directory, ``.../vllm-e2e0/<name>/``).
 
     Each run binds to loopback and removes the ``/dev/shm/psm_*`` segments its engine left.
     """
@@ -76,8 +76,7 @@ def vllm_run(tmp_path_factory, vllm_assets):
             cache[key] = result.check()
         return cache[key]
 
-    yield run
-    shutil.rmtree(root, ignore_errors=True)
+    return run
 
 
 def series(metrics: dict, key: str) -> dict[int, float]:
