@@ -192,3 +192,21 @@ def test_v1_bf16_surge_decays_lr(vllm_run):
     consumed, logged = series(metrics, "actor/lrstab/response_length"), series(metrics, "response_length/mean")
     assert consumed == pytest.approx(logged, rel=1e-9)
 
+
+
+# -- 4. full_determinism: two identical V1 runs sample the same tokens (issue 16) ------------------
+@pytest.mark.slow
+def test_v1_full_determinism_runs_are_identical(vllm_run):
+    """Per-request seeds (verl_lrstab.cpu.vllm_server) and vLLM's default kernels: bit-identical runs.
+
+    Without full_determinism (the config's default) two runs differ from step 1: the engine's
+    shared RNG is consumed in the order the agent loop's requests arrive.
+    """
+    det = TRAINER["v1"] + ["trainer.total_training_steps=3", "actor_rollout_ref.rollout.full_determinism=true"]
+    a, b = vllm_run("det-a", det).metrics, vllm_run("det-b", det).metrics
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        for key in ("response_length/mean", "critic/score/mean", "actor/mismatch/k3", "actor/pg_loss"):
+            assert a[step][key] == b[step][key], (step, key)
+    # the n samples of a prompt still differ: equal samples give GRPO zero advantages, a zero loss
+    assert all(a[s]["actor/pg_loss"] != 0 for s in a)
