@@ -16,7 +16,9 @@ changes only what a CPU needs, by subclassing:
   ``enable_sleep_mode=False`` (vLLM: "Sleep mode is not supported on current platform") and
   makes sleep / wake-up / KV-cache release no-ops (host memory: nothing to hand back to a
   trainer), keeping the prefix-cache reset after every weight sync; sets
-  ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1) unless the caller did.
+  ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1) unless the caller did. Under ``full_determinism``
+  it keeps vLLM's default kernels (the batch-invariant ones are Triton-only) and gives each
+  request its own seed, so two identical runs sample the same tokens.
 * :class:`CPUvLLMReplica`: starts :class:`CPUvLLMHttpServer` actors; finds each worker's
   device id with a fallback when Ray lists no accelerator id for the platform's resource.
 
