@@ -147,6 +147,16 @@ def test_pending_length_is_consumed_by_verls_bare_step():
     assert "lrstab/response_length" not in sched.metrics() and sched.metrics()["lrstab/skipped_steps"] == 1
 
 
+def test_pending_score_reaches_the_cusum_detector_once():
+    opt, sched, _ = make({"skip_first_steps": 0})
+    sched.pending_response_length, sched.pending_score = 300.0, 0.75  # the glue's co-signal (critic/score/mean)
+    sched.step(1)
+    assert sched.metrics()["lrstab/score"] == 0.75 and sched.pending_score is None
+    sched.pending_response_length = 300.0
+    sched.step(1)  # no score this update: unavailable, not reused
+    assert "lrstab/score" not in sched.metrics()  # NaN figures are not logged
+
+
 @pytest.mark.parametrize("bad", [None, math.nan, math.inf, 0.0, -5.0])
 def test_bad_lengths_never_crash_or_fake_a_surge(bad):
     opt, sched, _ = make(FAST)

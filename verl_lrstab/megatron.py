@@ -69,6 +69,8 @@ class LengthSurgeParamScheduler(OptimizerParamScheduler):
         self.schedule = LengthSurgeSchedule(config)
         self.pending_response_length: Optional[float] = None
         self.pending_mismatch_kl: Optional[float] = None
+        self.pending_score: Optional[float] = None  # co-signals of detector: cusum (None: unavailable)
+        self.pending_clip_ratio: Optional[float] = None
         self._replaying = False
         super().__init__(
             optimizer,
@@ -106,7 +108,10 @@ class LengthSurgeParamScheduler(OptimizerParamScheduler):
                 response_length, self.pending_response_length = self.pending_response_length, None
             if mismatch_kl is None:
                 mismatch_kl, self.pending_mismatch_kl = self.pending_mismatch_kl, None
-            self.schedule.observe(self.num_steps + increment, response_length, mismatch_kl)
+            score, self.pending_score = self.pending_score, None
+            clip_ratio, self.pending_clip_ratio = self.pending_clip_ratio, None
+            self.schedule.observe(self.num_steps + increment, response_length, mismatch_kl,
+                                  score=score, clip_ratio=clip_ratio)
         super().step(increment)
 
     def constant_lr(self, max_lr: float) -> float:

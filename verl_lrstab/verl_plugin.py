@@ -284,6 +284,7 @@ def _train_mini_batch_length_surge(worker, scheduler, data, run_original):
     if index == 0:
         acc.reset()
     length_stats, mismatch_stats = global_length_stats(data, group), global_mismatch_stats(data, group, pre_rs)
+    acc.add_score(global_score_stats(data, group))
     if _is_bypass(mismatch_stats):  # bypass mode: mismatch/* from the loss's own forward (verl_lrstab.bypass)
         return _train_mini_batch_bypass(worker, scheduler, data, run_original, acc, length_stats, index == count - 1)
     acc.add(length_stats, mismatch_stats)
@@ -291,6 +292,7 @@ def _train_mini_batch_length_surge(worker, scheduler, data, run_original):
         with _hold_lr(worker.engine, scheduler):
             return run_original()
     length, mismatch = acc.result(scheduler.config.mismatch_metric)
+    scheduler.pending_score = acc.score_mean()
     acc.reset()
     scheduler.pending_response_length = length
     if mismatch is not None:
@@ -323,6 +325,7 @@ def _train_mini_batch_bypass(worker, scheduler, data, run_original, acc, length_
     figures = {}
     if last:
         scheduler.pending_response_length, _ = acc.result()
+        scheduler.pending_score = acc.score_mean()
         scheduler.pending_mismatch_kl = None
 
     def on_reduced(measured):  # once, on every rank alike
@@ -422,13 +425,14 @@ def _hold_lr(engine, scheduler):
 
 
 class StepAccumulator:
-    """Sums the global length and mismatch figures of the actor updates of one trainer step."""
+    """Sums the global length, score and mismatch figures of the actor updates of one trainer step."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
         self.length = [0.0, 0.0]  # sum, count
+        self.score = [0.0, 0.0]  # sum, count (NaN sum: some update had no score)
         self.mismatch = None  # stats tensor (sums, then max) or None
         self.mismatch_valid = True
 
@@ -438,6 +442,14 @@ class StepAccumulator:
 
     def add_length(self, length_stats) -> None:
         self.length = [self.length[0] + length_stats[0], self.length[1] + length_stats[1]]
+
+    def add_score(self, score_stats) -> None:
+        self.score = [self.score[0] + score_stats[0], self.score[1] + score_stats[1]]
+
+    def score_mean(self) -> Optional[float]:
+        """The step's mean sequence score, or None (the detector then runs without it)."""
+        total, count = self.score
+        return total / count if count > 0 and math.isfinite(total) else None
 
     def add_mismatch(self, mismatch_stats) -> None:
         if mismatch_stats is None:
@@ -690,6 +702,47 @@ def response_lengths(data):
                    f"(response_mask alone would leave out tool tokens); keys: {list(data.keys())}")
 
 
+def sequence_scores(data):
+    """Per-sample scores, the reward summed over the response (verl's ``critic/score/*`` then leave
+    out the aborted, empty responses: :func:`global_score_stats` does too).
+
+    V0 sends ``token_level_scores`` (padded, zeros past the response); V1 sends ``rm_scores``
+    (jagged, one value per response token), whose synthetic padding samples are left out as
+    for the length. None when the batch carries neither (the detector then runs on the length).
+    """
+    scores = data.get("token_level_scores", None)
+    if scores is not None and not scores.is_nested:
+        return scores.sum(-1)
+    scores = data.get("rm_scores", None)
+    if scores is None:
+        return None
+    if scores.is_nested:
+        import torch
+
+        offsets = scores.offsets()
+        cumsum = torch.cat([offsets.new_zeros(1, dtype=torch.float64), scores.values().double().cumsum(0)])
+        totals = cumsum[offsets[1:]] - cumsum[offsets[:-1]]
+        responses = data.get("responses", None)
+        if responses is not None and getattr(responses, "is_nested", False):
+            keep = _v1_real_samples(responses.offsets().diff(), data.get("response_mask", None))
+            if keep is not None and keep.numel() == totals.numel():
+                totals = totals[keep]
+        return totals
+    return scores.sum(-1)
+
+
+def _v1_real_samples(lengths, response_mask):
+    """Boolean mask of the samples that are not V1's synthetic padding (None if it cannot tell)."""
+    if response_mask is None or not response_mask.is_nested or response_mask.size(0) != lengths.numel():
+        return None
+    import torch
+
+    offsets = response_mask.offsets()
+    cumsum = torch.cat([offsets.new_zeros(1), response_mask.values().to(offsets.dtype).cumsum(0)])
+    masked = cumsum[offsets[1:]] - cumsum[offsets[:-1]]
+    return ~((lengths == 1) & (masked == 0))
+
+
 def _drop_v1_padding(lengths, response_mask):
     """Leave out V1's synthetic padding samples, as verl's metrics do (they skip ``is_padding`` tags).
 
@@ -698,14 +751,8 @@ def _drop_v1_padding(lengths, response_mask):
     checked by :func:`assumption_checks`), which no real sample has (its first response token
     is always generated, mask 1).
     """
-    if response_mask is None or not response_mask.is_nested or response_mask.size(0) != lengths.numel():
-        return lengths
-    import torch
-
-    offsets = response_mask.offsets()
-    cumsum = torch.cat([offsets.new_zeros(1), response_mask.values().to(offsets.dtype).cumsum(0)])
-    masked = cumsum[offsets[1:]] - cumsum[offsets[:-1]]
-    return lengths[~((lengths == 1) & (masked == 0))]
+    keep = _v1_real_samples(lengths, response_mask)
+    return lengths if keep is None else lengths[keep]
 
 
 def assumption_checks() -> Iterable[Check]:
@@ -753,6 +800,40 @@ def global_length_stats(data, dp_group=None) -> list:
         local = torch.stack([lengths.sum().double(), torch.tensor(float(lengths.numel()), dtype=torch.float64)])
     except Exception as exc:  # noqa: BLE001 - never fail a training step for a metric
         logger.warning("verl_lrstab: could not measure the response length (%s); the step is skipped", exc)
+        local = torch.tensor([math.nan, 0.0], dtype=torch.float64)
+    if _distributed(dp_group):
+        reduced = local.to(_collective_device(dp_group))
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=dp_group)
+        local = reduced.cpu()
+    return local.tolist()
+
+
+_score_missing_warned = False
+
+
+def global_score_stats(data, dp_group=None) -> list:
+    """``[sum, count]`` of the sequence scores over the global batch (all-reduced over ``dp_group``).
+
+    A batch without scores (or a rank that fails) gives NaN on every rank alike: the detector
+    then runs on the length alone this step (``detector: cusum`` loses its learning check).
+    """
+    global _score_missing_warned
+    import torch
+    import torch.distributed as dist
+
+    try:
+        scores = sequence_scores(data)
+        if scores is None:
+            raise KeyError(f"neither 'token_level_scores' nor 'rm_scores' in the actor batch (keys: {list(data.keys())})")
+        lengths = response_lengths(data)
+        if lengths.numel() != scores.numel():
+            raise ValueError(f"{scores.numel()} scores for {lengths.numel()} responses")
+        scores = scores[lengths > 0].double()  # verl's critic/score/* leave out aborted (empty) responses
+        local = torch.stack([scores.sum(), torch.tensor(float(scores.numel()), dtype=torch.float64)])
+    except Exception as exc:  # noqa: BLE001 - never fail a training step for a co-signal
+        if not _score_missing_warned:
+            _score_missing_warned = True
+            logger.warning("verl_lrstab: no score for the surge detector (%s); it runs on the length alone", exc)
         local = torch.tensor([math.nan, 0.0], dtype=torch.float64)
     if _distributed(dp_group):
         reduced = local.to(_collective_device(dp_group))
