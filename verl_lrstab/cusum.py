@@ -23,6 +23,12 @@ Two stages, every decision from data up to the current step only:
    score is learning and is held; so is one with a flat score and no other sign. When the
    score already falls by 1.5 x ``score_z``, half the length evidence (``threshold / 2``, a
    level half-way to ``min_rise``) is enough.
+3. **Runaway.** Whatever the co-signals say, an armed alarm fires once the level reaches
+   ``runaway_rise`` x the alarm's baseline and the run was not that long before (not a rebound):
+   the paper's surge (1000 -> 3000-4000 tokens within a few steps, METHOD.md) may come with a
+   rising score, and a decay that waits for the score to fall would never come there; the
+   healthy phenomena stay below it (excursions of long runs up to 1.9x, growth absorbed by the
+   trailing baseline, early rebounds to a level the run had).
 
 Windows count steps, not rows, so a log written every 5-10 steps uses the same options; a
 window holding fewer than 8 rows is widened back to 8, and a baseline needs 3 rows covering
@@ -82,13 +88,16 @@ class CusumDetector:
             (the score is tested on every step of an alarm; README "Measured" on 3 vs 3.5).
         kl_rise (float): mismatch-KL growth that confirms an alarm. Default 1.5.
         clip_rise (float): clip-ratio increase that confirms an alarm. Default 0.25.
+        runaway_rise (float): an armed alarm fires, whatever the co-signals, once the level is
+            this multiple of the alarm's baseline (and not a rebound). Default 2.5.
         max_surges (int): surges reported at most. Default 1.
     """
 
     def __init__(self, skip_first_steps: int = 10, span: int = 20, lag: int = 3, drift: float = 1.0,
                  threshold: float = 5.0, min_rise: float = 1.2, noise_floor: float = 0.05,
                  rebound_margin: float = 1.3, rebound_memory: int = 100, confirm_steps: int = 40,
-                 score_z: float = 3.5, kl_rise: float = 1.5, clip_rise: float = 0.25, max_surges: int = 1):
+                 score_z: float = 3.5, kl_rise: float = 1.5, clip_rise: float = 0.25, max_surges: int = 1,
+                 runaway_rise: float = 2.5):
         for name, value, low in (("skip_first_steps", skip_first_steps, 0), ("span", span, 1), ("lag", lag, 0),
                                  ("rebound_memory", rebound_memory, 1), ("confirm_steps", confirm_steps, 1),
                                  ("max_surges", max_surges, 1)):
@@ -98,7 +107,8 @@ class CusumDetector:
                                  ("score_z", score_z, 0.0), ("clip_rise", clip_rise, 0.0)):
             if finite_float(value) is None or value <= low:
                 raise ValueError(f"{name} must be a number > {low:g}, got {value!r}")
-        for name, value in (("min_rise", min_rise), ("rebound_margin", rebound_margin), ("kl_rise", kl_rise)):
+        for name, value in (("min_rise", min_rise), ("rebound_margin", rebound_margin), ("kl_rise", kl_rise),
+                            ("runaway_rise", runaway_rise)):
             if finite_float(value) is None or value <= 1.0:
                 raise ValueError(f"{name} must be a number > 1, got {value!r}")
         self.skip_first_steps, self.span, self.lag = skip_first_steps, span, lag
@@ -106,6 +116,7 @@ class CusumDetector:
         self.noise_floor, self.rebound_margin = float(noise_floor), float(rebound_margin)
         self.rebound_memory, self.confirm_steps, self.score_z = rebound_memory, confirm_steps, float(score_z)
         self.kl_rise, self.clip_rise, self.max_surges = float(kl_rise), float(clip_rise), max_surges
+        self.runaway_rise = float(runaway_rise)
         # rows (step, value): log lengths, rolling 5-row medians, co-signals
         self._log: list[list] = []
         self._high: list[list] = []
@@ -174,7 +185,7 @@ class CusumDetector:
                 logger.info("verl_lrstab: length alarm at step %d (cusum %.1f, level %.4g = %.3g x baseline)",
                             step, self._cusum, self.level, self.ratio)
         if self._armed is not None:
-            fired = self._decide(step, self._armed)
+            fired = self._decide(step, self._armed) or self._runaway(self._armed)
         elif self._cusum >= self.threshold / 2 and self.ratio >= (1 + self.min_rise) / 2:
             # half the length evidence is enough when the score already falls clearly
             fired = self._decide(step, {**self._refs(step, b), "z_factor": 1.5}) and self._falls
@@ -212,6 +223,12 @@ class CusumDetector:
         if not old or max(old) < b + math.log(self.min_rise):
             return False
         return math.log(self.level) < max(old) + math.log(self.rebound_margin)
+
+    def _runaway(self, alarm: dict) -> bool:
+        """The level reached ``runaway_rise`` x the alarm's baseline, a level the run did not have before."""
+        if self.level < self.runaway_rise * alarm["baseline"]:
+            return False
+        return not self._rebound(alarm["step"], math.log(alarm["baseline"]))
 
     @staticmethod
     def _ref(rows, lo: int, hi: int, min_rows: int = MIN_ROWS) -> tuple[float, int, list]:

@@ -181,13 +181,14 @@ class LengthSurgeSchedule:
             "lrstab/lr_scale": self.scale(completed_updates),
             "lrstab/skipped_steps": self.detector.num_skipped,
         }
-        figures = [("response_length", self.response_length), ("baseline", self.detector.baseline),
+        # the score is logged whichever detector runs: it is what the glue fed (verl's critic/score/mean)
+        figures = [("response_length", self.response_length), ("score", self.score), ("baseline", self.detector.baseline),
                    ("ratio", self.detector.ratio), ("level", self.detector.level)]
         if isinstance(self.detector, CusumDetector):
             d = self.detector
             out["lrstab/cusum"] = d.cusum
             out["lrstab/armed_step"] = -1 if d.armed_step is None else d.armed_step
-            figures += [("noise", d.noise), ("score", self.score), ("score_z", d.score_z_now),
+            figures += [("noise", d.noise), ("score_z", d.score_z_now),
                         ("mismatch_kl", self.mismatch_kl),
                         ("kl_ratio", d.kl_ratio), ("clip_ratio", self.clip_ratio), ("clip_delta", d.clip_delta)]
         for key, value in figures:

@@ -64,6 +64,11 @@ def test_scheduler_consumes_verl_response_length(main_ppo, trainer):
     assert set(consumed) == set(logged) == set(steps)
     for step in steps:
         assert consumed[step] == pytest.approx(logged[step], rel=1e-9, abs=1e-9), step
+    # the score co-signal (detector: cusum) is verl's critic/score/mean of the same step
+    scores, verl_scores = series(run.metrics, "actor/lrstab/score"), series(run.metrics, "critic/score/mean")
+    assert set(scores) == set(verl_scores) == set(steps)
+    for step in steps:
+        assert scores[step] == pytest.approx(verl_scores[step], rel=1e-6, abs=1e-6), step
 
 
 @pytest.mark.parametrize("trainer", ["v0", "v1"])
