@@ -216,19 +216,27 @@ class CusumDetector:
             return []  # not enough history yet: a baseline covers at least half the span
         return rows
 
-    def _rebound(self, step: int, b: float) -> bool:
-        """True if the run was already at least ``min_rise`` x the baseline before (a rebound)."""
+    def _rebound(self, step: int, b: float, rows=None) -> bool:
+        """True if the run was already at least ``min_rise`` x the baseline before (a rebound).
+
+        ``rows`` are the earlier levels looked at: the 5-row medians by default.
+        """
         start = step - self.lag - self.span
-        old = [v for s, v in self._high if s > step - self.rebound_memory and (s <= start or s <= self.skip_first_steps)]
+        old = [v for s, v in (self._high if rows is None else rows)
+               if s > step - self.rebound_memory and (s <= start or s <= self.skip_first_steps)]
         if not old or max(old) < b + math.log(self.min_rise):
             return False
         return math.log(self.level) < max(old) + math.log(self.rebound_margin)
 
     def _runaway(self, alarm: dict) -> bool:
         """The level reached ``runaway_rise`` x the alarm's baseline, a level the run did not have before."""
-        if self.level < self.runaway_rise * alarm["baseline"]:
+        # at least 3 rows: in a sparse log the 5-step level is one noisy row
+        level = min(self.level, math.exp(median(v for _, v in self._log[-3:])))
+        if level < self.runaway_rise * alarm["baseline"]:
             return False
-        return not self._rebound(alarm["step"], math.log(alarm["baseline"]))
+        # against every earlier row, not 5-row medians: in a log written every 5 steps a median of
+        # 5 rows spans 25 steps and hides a short early high (an early rebound would pass for a runaway)
+        return not self._rebound(alarm["step"], math.log(alarm["baseline"]), rows=self._log)
 
     @staticmethod
     def _ref(rows, lo: int, hi: int, min_rows: int = MIN_ROWS) -> tuple[float, int, list]:
