@@ -793,7 +793,6 @@ def global_length_stats(data, dp_group=None) -> list:
     A rank that cannot measure contributes NaN, so every rank gets NaN and skips the step alike.
     """
     import torch
-    import torch.distributed as dist
 
     try:
         lengths = response_lengths(data)
@@ -801,11 +800,7 @@ def global_length_stats(data, dp_group=None) -> list:
     except Exception as exc:  # noqa: BLE001 - never fail a training step for a metric
         logger.warning("verl_lrstab: could not measure the response length (%s); the step is skipped", exc)
         local = torch.tensor([math.nan, 0.0], dtype=torch.float64)
-    if _distributed(dp_group):
-        reduced = local.to(_collective_device(dp_group))
-        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=dp_group)
-        local = reduced.cpu()
-    return local.tolist()
+    return _sum_over_ranks(local, dp_group)
 
 
 _score_missing_warned = False
@@ -819,7 +814,6 @@ def global_score_stats(data, dp_group=None) -> list:
     """
     global _score_missing_warned
     import torch
-    import torch.distributed as dist
 
     try:
         scores = sequence_scores(data)
@@ -835,6 +829,13 @@ def global_score_stats(data, dp_group=None) -> list:
             _score_missing_warned = True
             logger.warning("verl_lrstab: no score for the surge detector (%s); it runs on the length alone", exc)
         local = torch.tensor([math.nan, 0.0], dtype=torch.float64)
+    return _sum_over_ranks(local, dp_group)
+
+
+def _sum_over_ranks(local, dp_group) -> list:
+    """``local`` (a float64 ``[sum, count]``) summed over ``dp_group``, as a list."""
+    import torch.distributed as dist
+
     if _distributed(dp_group):
         reduced = local.to(_collective_device(dp_group))
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=dp_group)
