@@ -24,14 +24,14 @@ from typing import Any, Mapping, Optional, Union
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from verl_lrstab.config import SCHEDULER_NAME, LengthSurgeConfig
-from verl_lrstab.schedule import LengthSurgeSchedule
+from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule
 
 logger = logging.getLogger("verl_lrstab")
 
 STATE_KEY = "length_surge"  # our state, one key of the stock state_dict
 
 
-class LengthSurgeParamScheduler(OptimizerParamScheduler):
+class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
     """megatron-core's ``OptimizerParamScheduler`` with the ``length_surge`` LR rule.
 
     Args:
@@ -67,10 +67,7 @@ class LengthSurgeParamScheduler(OptimizerParamScheduler):
         override_opt_param_scheduler: Optional[bool] = False,
     ) -> None:
         self.schedule = LengthSurgeSchedule(config)
-        self.pending_response_length: Optional[float] = None
-        self.pending_mismatch_kl: Optional[float] = None
-        self.pending_score: Optional[float] = None  # co-signals of detector: cusum (None: unavailable)
-        self.pending_clip_ratio: Optional[float] = None
+        self._reset_pending()
         self._replaying = False
         super().__init__(
             optimizer,
@@ -88,30 +85,11 @@ class LengthSurgeParamScheduler(OptimizerParamScheduler):
             override_opt_param_scheduler=override_opt_param_scheduler,
         )
 
-    @property
-    def config(self) -> LengthSurgeConfig:
-        return self.schedule.config
-
-    @property
-    def surge_step(self) -> Optional[int]:
-        return self.schedule.surge_step
-
-    @property
-    def decay_period(self) -> Optional[int]:
-        return self.schedule.decay_period
-
     def step(self, increment: int = 1, response_length: Optional[float] = None,
              mismatch_kl: Optional[float] = None) -> None:
         """Advance ``increment`` steps (verl: 1 per actor update) and set every group's LR and WD."""
         if increment > 0 and not self._replaying:
-            if response_length is None:
-                response_length, self.pending_response_length = self.pending_response_length, None
-            if mismatch_kl is None:
-                mismatch_kl, self.pending_mismatch_kl = self.pending_mismatch_kl, None
-            score, self.pending_score = self.pending_score, None
-            clip_ratio, self.pending_clip_ratio = self.pending_clip_ratio, None
-            self.schedule.observe(self.num_steps + increment, response_length, mismatch_kl,
-                                  score=score, clip_ratio=clip_ratio)
+            self._observe_pending(self.num_steps + increment, response_length, mismatch_kl)
         super().step(increment)
 
     def constant_lr(self, max_lr: float) -> float:

@@ -217,6 +217,43 @@ def _or_nan(value: Optional[float]) -> float:
     return math.nan if value is None else value
 
 
+# -- the torch and megatron-core schedulers around it -----------------------------------------
+class FedSchedule:
+    """What the torch (``LengthSurgeLR``) and megatron-core schedulers share: a ``schedule``
+    (:class:`LengthSurgeSchedule`) fed through ``pending_*`` figures that the verl glue sets before
+    verl's engine steps the scheduler without arguments; explicit arguments win."""
+
+    schedule: LengthSurgeSchedule
+
+    def _reset_pending(self) -> None:
+        self.pending_response_length: Optional[float] = None
+        self.pending_mismatch_kl: Optional[float] = None
+        self.pending_score: Optional[float] = None  # co-signals of detector: cusum (None: unavailable)
+        self.pending_clip_ratio: Optional[float] = None
+
+    def _observe_pending(self, update: int, response_length: Optional[float], mismatch_kl: Optional[float]) -> None:
+        """Feed update ``update`` to the schedule, consuming the pending figures (never reused)."""
+        if response_length is None:
+            response_length, self.pending_response_length = self.pending_response_length, None
+        if mismatch_kl is None:
+            mismatch_kl, self.pending_mismatch_kl = self.pending_mismatch_kl, None
+        score, self.pending_score = self.pending_score, None
+        clip_ratio, self.pending_clip_ratio = self.pending_clip_ratio, None
+        self.schedule.observe(update, response_length, mismatch_kl, score=score, clip_ratio=clip_ratio)
+
+    @property
+    def config(self) -> LengthSurgeConfig:
+        return self.schedule.config
+
+    @property
+    def surge_step(self) -> Optional[int]:
+        return self.schedule.surge_step
+
+    @property
+    def decay_period(self) -> Optional[int]:
+        return self.schedule.decay_period
+
+
 # -- offline replay: the same code over a logged run ------------------------------------------
 @dataclass
 class ReplayResult:

@@ -9,12 +9,12 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.schedule import LengthSurgeSchedule
+from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule
 
 logger = logging.getLogger("verl_lrstab")
 
 
-class LengthSurgeLR(LRScheduler):
+class LengthSurgeLR(FedSchedule, LRScheduler):
     """Decay the LR when the mean response length surges (arXiv 2602.01826).
 
     Shaped like ``ReduceLROnPlateau``: call ``step(response_length)`` once per actor update,
@@ -46,25 +46,10 @@ class LengthSurgeLR(LRScheduler):
         last_epoch: int = -1,
     ):
         self.schedule = LengthSurgeSchedule(config, warmup_steps=warmup_steps)
-        self.pending_response_length: Optional[float] = None
-        self.pending_mismatch_kl: Optional[float] = None
-        self.pending_score: Optional[float] = None  # co-signals of detector: cusum (None: unavailable)
-        self.pending_clip_ratio: Optional[float] = None
+        self._reset_pending()
         # The LR the run was configured with, before a checkpoint may restore another one.
         self._configured_lrs = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)
-
-    @property
-    def config(self) -> LengthSurgeConfig:
-        return self.schedule.config
-
-    @property
-    def surge_step(self) -> Optional[int]:
-        return self.schedule.surge_step
-
-    @property
-    def decay_period(self) -> Optional[int]:
-        return self.schedule.decay_period
 
     def step(self, response_length: Optional[float] = None, mismatch_kl: Optional[float] = None) -> None:
         """Advance one actor update.
@@ -75,14 +60,7 @@ class LengthSurgeLR(LRScheduler):
             mismatch_kl (float | None): the update's mismatch KL, for ``trigger: mismatch|either``.
         """
         if not self._is_initial:
-            if response_length is None:
-                response_length, self.pending_response_length = self.pending_response_length, None
-            if mismatch_kl is None:
-                mismatch_kl, self.pending_mismatch_kl = self.pending_mismatch_kl, None
-            score, self.pending_score = self.pending_score, None
-            clip_ratio, self.pending_clip_ratio = self.pending_clip_ratio, None
-            self.schedule.observe(self.last_epoch + 1, response_length, mismatch_kl, score=score,
-                                  clip_ratio=clip_ratio)
+            self._observe_pending(self.last_epoch + 1, response_length, mismatch_kl)
         super().step()
 
     def get_lr(self) -> list[float]:
