@@ -111,7 +111,8 @@ def test_report_reads_verl_jsonl(tmp_path):
     assert row["decay_step"] == 25
     assert (row["surge_step"], row["collapse_step"], row["start_val"], row["peak_val"], row["final_val"]) == (20, 20, 0.2, 0.5, 0.1)
     assert row["len_first10"] == pytest.approx(15.5) and row["len_last10"] == pytest.approx(35.5)
-    assert "| const | 1 | 20 | 25 | 1/1 (20) | 0.2 | 0.5 | 0.1 |" in (tmp_path / "rep" / "summary.md").read_text()
+    assert row["lead"] == 0 and row["val_source"] == "sampler"
+    assert "| const | 1 | 20 | 25 | 1/1 (20) | 0 | 0.2 | 0.5 | 0.1 |" in (tmp_path / "rep" / "summary.md").read_text()
     assert row["late_val"] == pytest.approx((0.2 + 0.5 + 0.2 + 0.1) / 4)  # fewer than LATE_POINTS validations: all
     for name in ("overview", "length", "val", "mismatch", "lr"):
         assert (tmp_path / "rep" / f"{name}.png").stat().st_size > 0

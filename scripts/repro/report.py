@@ -29,12 +29,31 @@ from typing import Optional
 from verl_lrstab.cpu.launch import REPO_ROOT, read_metrics
 
 VAL_KEY = "val-core/lrstab_repro_add/acc/mean@1"  # greedy validation; sampled (n=4) logs mean@4
+FP32_VAL_KEY = "val-fp32/acc"  # the trainer's weights sampled in fp32 (evaluate.py's fp32_val.json), bypass recipe
 
 
 def val_key(metrics: dict[int, dict]) -> str:
-    """The validation accuracy key of this run (``val-core/<source>/acc/mean@<n>``), VAL_KEY if none."""
+    """The validation key of this run: the fp32 one if evaluate.py scored it, else verl's ``val-core/<source>/acc/mean@<n>``."""
+    if any(FP32_VAL_KEY in d for d in metrics.values()):
+        return FP32_VAL_KEY
+    return sampler_val_key(metrics)
+
+
+def sampler_val_key(metrics: dict[int, dict]) -> str:
+    """verl's own validation key (through the rollout server), VAL_KEY if none."""
     keys = sorted({k for d in metrics.values() for k in d if k.startswith("val-core/") and "/acc/mean@" in k})
     return keys[0] if keys else VAL_KEY
+
+
+def add_fp32_val(metrics: dict[int, dict], run_dir: Path) -> dict[int, dict]:
+    """Merge ``run_dir/fp32_val.json`` (evaluate.py) into ``metrics`` as :data:`FP32_VAL_KEY` (+ its length)."""
+    path = run_dir / "fp32_val.json"
+    if path.exists():
+        for step, rec in json.loads(path.read_text()).items():
+            row = metrics.setdefault(int(step), {})
+            row[FP32_VAL_KEY] = rec["acc"]
+            row["val-fp32/mean_length"] = rec["mean_length"]
+    return dict(sorted(metrics.items()))
 COLLAPSE_FRACTION = 0.5
 MIN_PEAK = 0.05
 MIN_POINTS = 2
@@ -90,19 +109,25 @@ def _mean(values: list[float]) -> float:
 def summarize_run(metrics: dict[int, dict]) -> dict:
     """The table row of one run (see the module docstring)."""
     val, length, k3 = series(metrics, val_key(metrics)), series(metrics, "response_length/mean"), series(metrics, "actor/mismatch/k3")
+    sampler_val = series(metrics, sampler_val_key(metrics))
     surge = [int(v) for v in series(metrics, "actor/lrstab/surge_step").values() if v >= 0]
     decay = [int(v) for v in series(metrics, "actor/lrstab/trigger_step").values() if v >= 0]
     lsteps = sorted(length)
+    collapse = collapse_step(val)
     return {
         "last_step": max(metrics, default=0),
+        "val_source": "fp32" if val_key(metrics) == FP32_VAL_KEY else "sampler",
         "surge_step": surge[0] if surge else None,
         "decay_step": decay[0] if decay else None,  # the LR decay's start (length surge or mismatch trigger)
-        "collapse_step": collapse_step(val),
+        "collapse_step": collapse,
+        # detection lead: steps from the detected surge to the collapse (negative: detected after it)
+        "lead": collapse - surge[0] if surge and collapse is not None else None,
         "start_val": val.get(min(val)) if val else math.nan,  # before any update: the mismatch arms' gap here is eval noise only
         "peak_val": max(val.values()) if val else math.nan,
         "peak_val_step": max(val, key=lambda s: (val[s], -s)) if val else None,
         "final_val": val[max(val)] if val else math.nan,
         "late_val": _mean([val[s] for s in sorted(val)[-LATE_POINTS:]]),
+        "sampler_final_val": sampler_val[max(sampler_val)] if sampler_val else math.nan,
         "len_first10": _mean([length[s] for s in lsteps[:10]]),
         "len_max10": max((_mean([length[t] for t in lsteps[i:i + 10]]) for i in range(max(1, len(lsteps) - 9))),
                          default=math.nan),
@@ -134,9 +159,9 @@ def arm_table(rows: list[dict]) -> str:
     arms: dict[str, list[dict]] = {}
     for r in rows:
         arms.setdefault(r["arm"], []).append(r)
-    lines = ["| arm | seeds | length surge step | LR decay from | collapsed (step) | start val | peak val | final val | "
-             "late val | len first/peak/last 10 | k3 first/last 10 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | seeds | length surge step | LR decay from | collapsed (step) | lead (collapse - surge) | start val | "
+             "peak val | final val | late val | len first/peak/last 10 | k3 first/last 10 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, rs in arms.items():
         surges = ", ".join(_fmt(r["surge_step"]) for r in rs)
         decays = ", ".join(_fmt(r["decay_step"]) for r in rs)
@@ -144,14 +169,15 @@ def arm_table(rows: list[dict]) -> str:
         coll_txt = f"{sum(c is not None for c in coll)}/{len(rs)} (" + ", ".join(_fmt(c) for c in coll) + ")"
         lens = " / ".join(_spread([r[k] for r in rs]) for k in ("len_first10", "len_max10", "len_last10"))
         k3 = " / ".join(_spread([r[k] for r in rs]) for k in ("k3_first10", "k3_last10"))
-        lines.append(f"| {arm} | {len(rs)} | {surges} | {decays} | {coll_txt} | {_spread([r['start_val'] for r in rs])} | "
+        leads = ", ".join(_fmt(r.get("lead")) for r in rs)
+        lines.append(f"| {arm} | {len(rs)} | {surges} | {decays} | {coll_txt} | {leads} | {_spread([r['start_val'] for r in rs])} | "
                      f"{_spread([r['peak_val'] for r in rs])} | "
                      f"{_spread([r['final_val'] for r in rs])} | {_spread([r['late_val'] for r in rs])} | {lens} | {k3} |")
     return "\n".join(lines)
 
 
 def run_table(rows: list[dict]) -> str:
-    keys = ["run", "arm", "seed", "last_step", "surge_step", "decay_step", "collapse_step", "start_val", "peak_val", "peak_val_step", "final_val", "late_val",
+    keys = ["run", "arm", "seed", "last_step", "surge_step", "decay_step", "collapse_step", "lead", "val_source", "start_val", "peak_val", "peak_val_step", "final_val", "late_val", "sampler_final_val",
             "len_first10", "len_max10", "len_last10", "k3_first10", "k3_last10", "wall_s"]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |" for r in rows]
@@ -235,7 +261,7 @@ def collect(runs_dir: Path) -> list[tuple[dict, dict]]:
     """Every ``<runs_dir>/*/metrics.jsonl`` with its ``run.json`` (arm, seed, wall time)."""
     out = []
     for path in sorted(runs_dir.glob("*/metrics.jsonl")):
-        metrics = read_metrics(path)
+        metrics = add_fp32_val(read_metrics(path), path.parent)
         if not metrics:
             continue
         info_path = path.parent / "run.json"

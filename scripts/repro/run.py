@@ -2,42 +2,57 @@
 """Run one arm of the reproduction: verl's real ``main_ppo`` on CPU, one run at a time.
 
 Usage:
-    python scripts/repro/run.py --arm const --seed 1 [--steps 100] [--lr 5e-4] [--noise 0.3] [overrides ...]
+    python scripts/repro/run.py --arm bp_const --seed 1 [--steps 300] [--lr 5e-4] [--sampler fp8_e4m3] [overrides ...]
+    python scripts/repro/run.py --recipe noise --arm const --seed 1 [--steps 150] [--noise 0.3] [overrides ...]
 
-Writes ``outputs/repro/runs/<arm>-s<seed>/metrics.jsonl`` (verl's file logger), the log
-next to it, and ``run.json`` (command, overrides, wall time, return code).
+Two recipes: ``bypass`` (issue 13, the default: verl's vLLM rollout in bf16, bypass mode,
+``bypass_arms.py``) and ``noise`` (issue 6's table: the transformers rollout with injected weight
+noise, ``arms.py``). Writes ``outputs/repro/runs/<arm>-s<seed>/metrics.jsonl`` (verl's file
+logger), the log next to it, and ``run.json`` (recipe, overrides, wall time, return code).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/` (verl ships its own `scripts` package)
-from repro.arms import ARMS, DEFAULT_LR, DEFAULT_NOISE, arm_overrides  # noqa: E402
+from repro import arms as noise_arms  # noqa: E402
+from repro import bypass_arms  # noqa: E402
 
 from verl_lrstab.cpu.launch import REPO_ROOT, print_new_steps, run_main_ppo  # noqa: E402
 
 REWARD_FILE = Path(__file__).resolve().parent / "task.py"
+RECIPES = {"bypass": bypass_arms, "noise": noise_arms}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arm", required=True, choices=sorted(ARMS))
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="bypass")
+    p.add_argument("--arm", required=True, help=f"bypass: {sorted(bypass_arms.ARMS)}; noise: {sorted(noise_arms.ARMS)}")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"initial actor LR (default {DEFAULT_LR})")
-    p.add_argument("--noise", type=float, default=DEFAULT_NOISE,
-                   help=f"weight-noise sigma of the mismatch arms, x std(param) (default {DEFAULT_NOISE})")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"initial actor LR (default {bypass_arms.DEFAULT_LR} bypass, {noise_arms.DEFAULT_LR} noise)")
+    p.add_argument("--sampler", choices=bypass_arms.SAMPLERS, default=bypass_arms.DEFAULT_SAMPLER,
+                   help=f"bypass recipe: the sampler's weight precision (default {bypass_arms.DEFAULT_SAMPLER})")
+    p.add_argument("--noise", type=float, default=noise_arms.DEFAULT_NOISE,
+                   help=f"noise recipe: weight-noise sigma of the mismatch arms, x std(param) (default {noise_arms.DEFAULT_NOISE})")
     p.add_argument("--assets", type=Path, default=REPO_ROOT / "outputs" / "repro" / "assets")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "repro" / "runs")
     p.add_argument("--name", default=None, help="run directory name (default <arm>-s<seed>)")
-    p.add_argument("--timeout", type=float, default=None, help="hard limit in s (default 60 + 6 s per step)")
+    p.add_argument("--timeout", type=float, default=None, help="hard limit in s (default 300 + 8 s per step)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    arms = RECIPES[args.recipe].ARMS
+    if args.arm not in arms:
+        p.error(f"--arm {args.arm!r} is not an arm of the {args.recipe} recipe: allowed values are {sorted(arms)}")
+    args.lr = args.lr if args.lr is not None else RECIPES[args.recipe].DEFAULT_LR
+    return args
 
 
 def describe_step(d: dict) -> str:
@@ -48,18 +63,36 @@ def describe_step(d: dict) -> str:
             f" surge {int(d.get('actor/lrstab/surge_step', -1))}" + (f" VAL {val:.3f}" if val is not None else ""))
 
 
+def setting(args) -> dict:
+    """What makes two runs comparable (recorded in run.json; all.py reuses a run only on a match)."""
+    if args.recipe == "bypass":
+        return {"recipe": "bypass", "steps": args.steps, "lr": args.lr, "sampler": args.sampler}
+    return {"recipe": "noise", "steps": args.steps, "lr": args.lr, "noise": args.noise}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not (args.assets / "model").exists():
         raise SystemExit(f"no assets under {args.assets}: run python scripts/repro/warmstart.py first")
     name = args.name or f"{args.arm}-s{args.seed}"
     run_dir = (args.out / name).resolve()
-    overrides = arm_overrides(args.arm, args.seed, args.steps, args.lr, args.noise) + list(args.overrides)
-    timeout = args.timeout or 60 + 6 * args.steps
+    env = {"LRSTAB_REPRO_REWARD": str(REWARD_FILE)}
+    cleanup = contextlib.nullcontext()
+    if args.recipe == "bypass":
+        from verl_lrstab.cpu.vllm_rollout import engine_shm_cleanup, loopback_env
+
+        overrides = bypass_arms.arm_overrides(args.arm, args.seed, args.steps, args.lr)
+        env.update(loopback_env(), **bypass_arms.sampler_env(args.sampler))
+        cleanup = engine_shm_cleanup()  # the psm_* segments vLLM's engine leaves in /dev/shm
+    else:
+        overrides = noise_arms.arm_overrides(args.arm, args.seed, args.steps, args.lr, args.noise)
+    overrides += list(args.overrides)
+    timeout = args.timeout or 300 + 8 * args.steps
     print(f"run {name}: {' '.join(overrides)}", flush=True)
-    result = run_main_ppo(run_dir, overrides, assets_dir=args.assets, config_name="cpu_demo", timeout_s=timeout,
-                          env={"LRSTAB_REPRO_REWARD": str(REWARD_FILE)}, on_progress=print_new_steps(args.steps, describe_step))
-    info = {"arm": args.arm, "seed": args.seed, "steps": args.steps, "lr": args.lr, "noise": args.noise,
+    with cleanup:
+        result = run_main_ppo(run_dir, overrides, assets_dir=args.assets, config_name="cpu_demo", timeout_s=timeout,
+                              env=env, on_progress=print_new_steps(args.steps, describe_step))
+    info = {"arm": args.arm, "seed": args.seed, **setting(args),
             "overrides": overrides, "returncode": result.returncode, "timed_out": result.timed_out,
             "wall_s": round(result.wall_s, 1), "last_step": max(result.metrics, default=0)}
     (run_dir / "run.json").write_text(json.dumps(info, indent=1))

@@ -19,6 +19,12 @@ changes only what a CPU needs, by subclassing:
   ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1) unless the caller did. Under ``full_determinism``
   it keeps vLLM's default kernels (the batch-invariant ones are Triton-only) and gives each
   request its own seed, so two identical runs sample the same tokens.
+* Optional amplifier of the mismatch (reproductions only): with
+  ``LRSTAB_VLLM_SAMPLER_WEIGHTS=fp8_e4m3`` (or ``fp8_e5m2``) every Linear weight of the decoder
+  layers is rounded through FP8 (one absmax scale per output row) before it is loaded, as an FP8
+  rollout does; embeddings, norms and the LM head keep bf16. The trainer keeps its fp32 weights,
+  so ``rollout_log_probs`` come from a coarser sampler: a larger mismatch of the same kind
+  (rounding of the sampler's weights), see :func:`round_sampler_weight`.
 * :class:`CPUvLLMReplica`: starts :class:`CPUvLLMHttpServer` actors; finds each worker's
   device id with a fallback when Ray lists no accelerator id for the platform's resource.
 
@@ -42,6 +48,44 @@ logger = logging.getLogger(__name__)
 
 KVCACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 DEFAULT_KVCACHE_GIB = "1"
+SAMPLER_WEIGHTS_ENV = "LRSTAB_VLLM_SAMPLER_WEIGHTS"
+# FP8 formats a sampler's weights can be rounded through: torch dtype and its largest finite value
+SAMPLER_FORMATS = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+_LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                    "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def sampler_format() -> str | None:
+    """The ``LRSTAB_VLLM_SAMPLER_WEIGHTS`` format (None when unset or empty).
+
+    Raises:
+        ValueError: for a value that is not a key of :data:`SAMPLER_FORMATS`.
+    """
+    value = os.environ.get(SAMPLER_WEIGHTS_ENV, "").strip()
+    if not value or value == "bf16":
+        return None
+    if value not in SAMPLER_FORMATS:
+        raise ValueError(f"{SAMPLER_WEIGHTS_ENV}={value!r}: allowed values are bf16 (or empty) and {sorted(SAMPLER_FORMATS)}")
+    return value
+
+
+def round_sampler_weight(name: str, tensor: torch.Tensor, fmt: str | None) -> torch.Tensor:
+    """``tensor`` rounded through the FP8 format ``fmt`` if it is a decoder Linear weight, else unchanged.
+
+    One absmax scale per output row (the row maps to the format's largest value), as FP8 rollouts
+    scale their weights; the result is cast back to the tensor's dtype.
+
+    Args:
+        name: the parameter name (only ``*_proj.weight`` of the decoder layers is rounded).
+        tensor: the weight as verl sends it.
+        fmt: a key of :data:`SAMPLER_FORMATS`, or None for no rounding.
+    """
+    if fmt is None or tensor.dim() != 2 or not name.endswith(_LINEAR_SUFFIXES):
+        return tensor
+    dtype, largest = SAMPLER_FORMATS[fmt]
+    w = tensor.float()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / largest
+    return ((w / scale).to(dtype).float() * scale).to(tensor.dtype)
 
 
 class CPUWorkerExtension(vLLMColocateWorkerExtension):
@@ -69,12 +113,12 @@ class CPUWorkerExtension(vLLMColocateWorkerExtension):
         if vllm_config.quant_config is not None:
             raise NotImplementedError("quantized rollouts are not supported by the vLLM-CPU rollout")
         model = self.model_runner.model
-        start, n_tensors = time.perf_counter(), 0
+        start, n_tensors, fmt = time.perf_counter(), 0, sampler_format()
 
         def on_bucket(weights, is_last):
             nonlocal n_tensors
             # the shared-memory buffer is rewritten by the next bucket: own the data
-            model.load_weights([(name, tensor.clone()) for name, tensor in weights])
+            model.load_weights([(name, round_sampler_weight(name, tensor, fmt).clone()) for name, tensor in weights])
             n_tensors += len(weights)
 
         receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=torch.device("cpu"), use_shm=use_shm)
@@ -83,6 +127,11 @@ class CPUWorkerExtension(vLLMColocateWorkerExtension):
             receiver.receive_weights(on_bucket_received=on_bucket)
             finalize_layerwise_reload(model, vllm_config.model_config)
         logger.info("vLLM-CPU: loaded %d tensors by layerwise reload in %.3fs", n_tensors, time.perf_counter() - start)
+        if fmt and not getattr(self, "_lrstab_rounding_announced", False):
+            # an amplified mismatch must never go unnoticed
+            logger.warning("vLLM-CPU: %s=%s: the sampler's decoder Linear weights are rounded through %s (amplified mismatch)",
+                           SAMPLER_WEIGHTS_ENV, fmt, fmt)
+            self._lrstab_rounding_announced = True
 
 
 class CPUvLLMHttpServer(vLLMHttpServer):

