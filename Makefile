@@ -90,12 +90,13 @@ bench: install
 	$(PY) scripts/bench_overhead.py
 	$(PY) scripts/bench_detector.py
 
-## CPU-scale reproduction of the paper's comparison (scripts/repro/README.md): 6 arms x 3 seeds;
-## repro-ci is its small form (also run by make test as tests/e2e/test_repro_ci.py).
-repro: install
+## CPU-scale reproduction of a mismatch collapse (scripts/repro/README.md): verl's vLLM rollout (bf16),
+## bypass mode, 6 arms x 3 seeds; repro-ci is its small form (also run by make test as
+## tests/e2e/test_repro_ci.py). Issue 6's table (injected weight noise): scripts/repro/all.py --recipe noise.
+repro: install install-vllm
 	$(PY) scripts/repro/all.py
 
-repro-ci: install
+repro-ci: install install-vllm
 	$(PY) scripts/repro/all.py --ci
 
 clean:

@@ -12,7 +12,7 @@ import pytest
 
 # verl ships a top-level `scripts` package that shadows ours: import `repro` from scripts/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from repro import arms, report, task  # noqa: E402
+from repro import arms, bypass_arms, evaluate, report, task  # noqa: E402
 
 
 @pytest.mark.parametrize("a,b", [(347, 589), (9999, 1), (5, 7), (0, 0), (120, 4031)])
@@ -142,3 +142,82 @@ def test_all_reuses_a_finished_run_only_with_the_same_setting(tmp_path):
         repro_all.finished_run(info, steps=150, lr=1e-3, noise=0.3)
     info.write_text(json.dumps({"returncode": 1, "steps": 150, "lr": 5e-4, "noise": 0.3}))
     assert not repro_all.finished_run(info, steps=150, lr=5e-4, noise=0.3)  # failed: run again
+
+
+def test_bypass_arms_differ_only_in_what_they_name():
+    base = set(bypass_arms.arm_overrides("bp_const", seed=2, steps=300, lr=5e-4))
+    assert {"+cpu_rollout=vllm", "data.max_response_length=128", "data.seed=2", "trainer.total_training_steps=300",
+            "actor_rollout_ref.rollout.full_determinism=true", bypass_arms.BYPASS, bypass_arms.MONITOR} <= base
+    assert f"{bypass_arms.LS}.detector=cusum" in base  # the package's detector, not the demo's short ratio windows
+    assert "~actor_rollout_ref.actor.optim.length_surge.fast_window" in base
+    extra = {arm: set(bypass_arms.arm_overrides(arm, 2, 300, 5e-4)) - base for arm in bypass_arms.ARMS}
+    assert extra["bp_ls_start"] == {f"{bypass_arms.LS}.origin=start"} | ({f"trainer.experiment_name=bp_ls_start-s2"})
+    assert f"{bypass_arms.LS}.origin=surge" in extra["bp_ls_surge"]
+    assert "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine" in extra["bp_cosine"]
+    assert {"algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.loss_type=reinforce"} <= extra["bp_tis"]
+    recompute = set(bypass_arms.arm_overrides("recompute", 2, 300, 5e-4))
+    assert bypass_arms.BYPASS not in recompute and bypass_arms.MONITOR in recompute
+    for arm in ("bp_ls_start", "bp_ls_surge", "bp_cosine"):  # the LR moves in these arms only
+        assert bypass_arms.MONITOR not in set(bypass_arms.arm_overrides(arm, 2, 300, 5e-4))
+    with pytest.raises(ValueError, match="allowed values are"):
+        bypass_arms.arm_overrides("const", 1, 5, 1e-4)
+    assert bypass_arms.sampler_env("bf16") == {"LRSTAB_VLLM_SAMPLER_WEIGHTS": ""}
+    with pytest.raises(ValueError, match="--sampler 'fp4'.*allowed values"):
+        bypass_arms.sampler_env("fp4")
+
+
+def test_sampler_rounding_keeps_the_kind_of_the_mismatch(monkeypatch):
+    import torch
+
+    from verl_lrstab.cpu import vllm_server
+
+    w = torch.randn(64, 32) * torch.logspace(-2, 0, 64)[:, None]  # rows of very different scales
+    name = "model.layers.0.mlp.down_proj.weight"
+    errors = {}
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        q = vllm_server.round_sampler_weight(name, w, fmt)
+        rel = ((q - w).abs() / w.abs().clamp_min(1e-9)).max(dim=1).values
+        errors[fmt] = ((q - w).norm() / w.norm()).item()
+        assert q.dtype == w.dtype and q.shape == w.shape
+        assert (rel < {"fp8_e4m3": 2**-4, "fp8_e5m2": 2**-3}[fmt] + 1e-6).all()  # per-row scale: small rows keep precision
+        assert not torch.equal(q, w)
+    assert errors["fp8_e5m2"] > 1.5 * errors["fp8_e4m3"]  # fewer mantissa bits: the larger mismatch
+    for untouched in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight"):
+        assert vllm_server.round_sampler_weight(untouched, w, "fp8_e5m2") is w
+    assert vllm_server.round_sampler_weight(name, w, None) is w
+    monkeypatch.setenv(vllm_server.SAMPLER_WEIGHTS_ENV, "fp8_e5m2")
+    assert vllm_server.sampler_format() == "fp8_e5m2"
+    monkeypatch.setenv(vllm_server.SAMPLER_WEIGHTS_ENV, "int4")
+    with pytest.raises(ValueError, match="LRSTAB_VLLM_SAMPLER_WEIGHTS='int4': allowed values"):
+        vllm_server.sampler_format()
+
+
+def test_report_prefers_the_fp32_validation(tmp_path):
+    run = tmp_path / "runs" / "bp_const-s1"
+    run.mkdir(parents=True)
+    sampler = "val-core/lrstab_repro_add/acc/mean@4"
+    lines = [{"step": 0, "data": {sampler: 0.3}}]
+    for s in range(1, 61):
+        d = {"response_length/mean": 30.0 if s < 35 else 110.0, "actor/lrstab/surge_step": -1 if s < 36 else 36}
+        if s % 20 == 0:
+            d[sampler] = 0.25
+        lines.append({"step": s, "data": d})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    (run / "run.json").write_text(json.dumps({"arm": "bp_const", "seed": 1}))
+    fp32 = {"0": 0.4, "20": 0.8, "40": 0.1, "60": 0.05}
+    (run / "fp32_val.json").write_text(json.dumps({k: {"acc": v, "mean_length": 30.0} for k, v in fp32.items()}))
+    row = report.collect(tmp_path / "runs")[0][0]
+    assert row["val_source"] == "fp32" and (row["peak_val"], row["final_val"], row["start_val"]) == (0.8, 0.05, 0.4)
+    assert (row["collapse_step"], row["surge_step"], row["lead"]) == (40, 36, 4)
+    assert row["sampler_final_val"] == 0.25
+
+
+def test_evaluate_finds_the_checkpoints(tmp_path):
+    for step in (20, 40, 100):
+        hf = tmp_path / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface"
+        hf.mkdir(parents=True)
+        if step != 40:  # a checkpoint without its HF model is not scored
+            (hf / "config.json").write_text("{}")
+    assert list(evaluate.checkpoints(tmp_path)) == [20, 100]
+    with pytest.raises(SystemExit):
+        evaluate.parse_args([str(tmp_path), "--n", "0"])

@@ -2,10 +2,12 @@
 """`make repro` / `make repro-ci`: warm start (if missing), every arm x seed one at a time, then the report.
 
 Usage:
-    python scripts/repro/all.py                 # full: 8000-step warm start, 6 arms x 3 seeds x 150 steps
-    python scripts/repro/all.py --ci            # CI: 600-step warm start, const + ls_surge, 1 seed, 12 steps
-    python scripts/repro/all.py --arms const control --seeds 1 2 --steps 100
+    python scripts/repro/all.py                 # full: 8000-step warm start, 6 bypass-recipe arms x 3 seeds x 300 steps
+    python scripts/repro/all.py --ci            # CI: 600-step warm start, bp_const + bp_ls_surge, 1 seed, 12 steps
+    python scripts/repro/all.py --arms bp_const recompute --seeds 1 2 --steps 100
+    python scripts/repro/all.py --recipe noise  # issue 6's table (transformers rollout, injected weight noise)
 
+After each bypass-recipe run, evaluate.py scores its checkpoints in fp32 (the table's validation).
 A run whose ``run.json`` says it finished is not run again (delete its directory to redo it).
 """
 
@@ -20,7 +22,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from repro.arms import ARMS, DEFAULT_LR, DEFAULT_NOISE  # noqa: E402
+from repro import arms as noise_arms  # noqa: E402
+from repro import bypass_arms  # noqa: E402
+
+RECIPES = {"bypass": bypass_arms, "noise": noise_arms}
+CI_ARMS = {"bypass": ["bp_const", "bp_ls_surge"], "noise": ["const", "ls_surge"]}
+STEPS = {"bypass": 300, "noise": 150}
 
 REPO_ROOT = HERE.parents[1]
 # The warm-start recipe of the committed table (scripts/repro/README.md, "Warm start").
@@ -65,17 +72,35 @@ def _differences(recorded: dict, wanted: dict, verb: str) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ci", action="store_true", help="the small version CI runs (< 10 min)")
-    p.add_argument("--arms", nargs="*", default=None, choices=sorted(ARMS))
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="bypass")
+    p.add_argument("--arms", nargs="*", default=None,
+                   help=f"bypass: {sorted(bypass_arms.ARMS)}; noise: {sorted(noise_arms.ARMS)} (default all)")
     p.add_argument("--seeds", nargs="*", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--lr", type=float, default=DEFAULT_LR)
-    p.add_argument("--noise", type=float, default=DEFAULT_NOISE)
+    p.add_argument("--steps", type=int, default=None, help="RL steps (default 300 bypass, 150 noise; 12 with --ci)")
+    p.add_argument("--lr", type=float, default=None, help="default: the recipe's")
+    p.add_argument("--sampler", choices=bypass_arms.SAMPLERS, default=bypass_arms.DEFAULT_SAMPLER,
+                   help="bypass recipe: the sampler's weight precision")
+    p.add_argument("--noise", type=float, default=noise_arms.DEFAULT_NOISE, help="noise recipe: weight-noise sigma")
     p.add_argument("--sft-steps", type=int, default=None, help="warm-start steps (default 8000; 600 with --ci)")
     p.add_argument("--min-digits", type=int, default=WARMSTART["min_digits"])
     p.add_argument("--max-digits", type=int, default=WARMSTART["max_digits"])
     p.add_argument("--worked-fraction", type=float, default=WARMSTART["worked_fraction"])
-    p.add_argument("--out", type=Path, default=None, help="default outputs/repro (outputs/repro-ci with --ci)")
-    return p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=None,
+                   help="default outputs/repro (bypass) or outputs/repro-noise; -ci appended with --ci")
+    args = p.parse_args(argv)
+    recipe = RECIPES[args.recipe]
+    bad = [a for a in args.arms or [] if a not in recipe.ARMS]
+    if bad:
+        p.error(f"--arms {bad} not in the {args.recipe} recipe: allowed values are {sorted(recipe.ARMS)}")
+    args.lr = args.lr if args.lr is not None else recipe.DEFAULT_LR
+    return args
+
+
+def setting(args, steps: int) -> dict:
+    """What run.py records in run.json for this setting (all.py reuses a run only on a match)."""
+    if args.recipe == "bypass":
+        return {"recipe": "bypass", "steps": steps, "lr": args.lr, "sampler": args.sampler}
+    return {"recipe": "noise", "steps": steps, "lr": args.lr, "noise": args.noise}
 
 
 def sh(cmd: list[str]) -> int:
@@ -85,10 +110,11 @@ def sh(cmd: list[str]) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = args.out or REPO_ROOT / "outputs" / ("repro-ci" if args.ci else "repro")
-    arms = args.arms or (["const", "ls_surge"] if args.ci else list(ARMS))
+    base = "repro" if args.recipe == "bypass" else "repro-noise"
+    out = args.out or REPO_ROOT / "outputs" / (base + ("-ci" if args.ci else ""))
+    arms = args.arms or (CI_ARMS[args.recipe] if args.ci else list(RECIPES[args.recipe].ARMS))
     seeds = args.seeds or ([1] if args.ci else [1, 2, 3])
-    steps = args.steps or (12 if args.ci else 150)  # CI: validations at 0, 10 and 12
+    steps = args.steps or (12 if args.ci else STEPS[args.recipe])
     args.sft_steps = args.sft_steps or (600 if args.ci else 8000)
     assets, runs = out / "assets", out / "runs"
     py = sys.executable
@@ -99,14 +125,19 @@ def main(argv=None) -> int:
     check_recipe(assets, args)
     failed, todo = [], [(seed, arm) for seed in seeds for arm in arms]
     for i, (seed, arm) in enumerate(todo, 1):
-        if finished_run(runs / f"{arm}-s{seed}" / "run.json", steps=steps, lr=args.lr, noise=args.noise):
-            continue
-        elapsed = time.monotonic() - start
-        print(f"== repro run {i}/{len(todo)}: {arm}-s{seed} ({elapsed / 60:.0f} min elapsed)", flush=True)
-        rc = sh([py, str(HERE / "run.py"), "--arm", arm, "--seed", str(seed), "--steps", str(steps),
-                 "--lr", str(args.lr), "--noise", str(args.noise), "--assets", str(assets), "--out", str(runs)])
-        if rc != 0:
-            failed.append(f"{arm}-s{seed}")
+        run_dir = runs / f"{arm}-s{seed}"
+        if not finished_run(run_dir / "run.json", **setting(args, steps)):
+            elapsed = time.monotonic() - start
+            print(f"== repro run {i}/{len(todo)}: {arm}-s{seed} ({elapsed / 60:.0f} min elapsed)", flush=True)
+            knob = ["--sampler", args.sampler] if args.recipe == "bypass" else ["--noise", str(args.noise)]
+            rc = sh([py, str(HERE / "run.py"), "--recipe", args.recipe, "--arm", arm, "--seed", str(seed),
+                     "--steps", str(steps), "--lr", str(args.lr), *knob, "--assets", str(assets), "--out", str(runs)])
+            if rc != 0:
+                failed.append(f"{arm}-s{seed}")
+                continue
+        if args.recipe == "bypass" and sh([py, str(HERE / "evaluate.py"), str(run_dir), "--assets", str(assets),
+                                            "--max-new-tokens", str(bypass_arms.RESPONSE_CAP)]) != 0:
+            failed.append(f"{arm}-s{seed} (fp32 validation)")
     rc = sh([py, str(HERE / "report.py"), "--runs", str(runs), "--out", str(out / "report")])
     print(f"repro: {time.monotonic() - start:.0f}s; report in {out / 'report'}" + (f"; FAILED: {failed}" if failed else ""))
     return 1 if failed or rc else 0

