@@ -69,7 +69,7 @@ ARMS: dict[str, dict] = {
     "bp_ls_start": {"overrides": [BYPASS, f"{LS}.origin=start"],
                     "doc": "bypass + length_surge, origin start (paper rule: halvings at multiples of P = 1.8 t_surge)"},
     "bp_ls_surge": {"overrides": [BYPASS, f"{LS}.origin=surge"],
-                    "doc": "bypass + length_surge, origin surge (first halving P after the surge)"},
+                    "doc": "bypass + length_surge, origin surge (first halving right after the surge, then every P)"},
     "bp_cosine": {"overrides": [BYPASS, "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
                                 "actor_rollout_ref.actor.optim.min_lr_ratio=0.1"],
                   "doc": "bypass + verl's cosine to the same floor (0.1): a decay with no trigger"},
