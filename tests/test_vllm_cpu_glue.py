@@ -46,6 +46,30 @@ def test_engine_shm_cleanup_removes_only_what_appeared(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other_file", "psm_before", "sem.mp-new"]
 
 
+def test_engine_shm_cleanup_keeps_segments_a_live_process_uses(tmp_path):
+    """A vLLM run beside this one keeps its segments: removing them killed its engine (measured)."""
+    import mmap
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with vllm_rollout.engine_shm_cleanup(shm) as removed:
+        (shm / "psm_left_behind").write_bytes(b"x" * 4096)
+        (shm / "psm_mapped").write_bytes(b"x" * 4096)
+        (shm / "psm_open").write_bytes(b"x" * 4096)
+        mapped_file = open(shm / "psm_mapped", "r+b")
+        mapping = mmap.mmap(mapped_file.fileno(), 4096)
+        mapped_file.close()  # only the mapping holds it now
+        held = open(shm / "psm_open", "rb")
+    try:
+        assert removed == ["psm_left_behind"]
+        assert sorted(p.name for p in shm.iterdir()) == ["psm_mapped", "psm_open"]
+        assert {"psm_mapped", "psm_open"} <= vllm_rollout.shm_in_use(shm)
+    finally:
+        mapping.close()
+        held.close()
+    assert vllm_rollout.shm_in_use(shm) == set()
+
+
 def test_loopback_env_binds_vllm_and_ray_to_127():
     env = vllm_rollout.loopback_env()
     assert env["VLLM_HOST_IP"] == "127.0.0.1"

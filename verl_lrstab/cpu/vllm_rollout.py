@@ -85,20 +85,46 @@ def shm_names(shm_dir: os.PathLike = SHM_DIR) -> set[str]:
     return {p.name for p in shm_dir.glob("psm_*")} if shm_dir.is_dir() else set()
 
 
+def shm_in_use(shm_dir: os.PathLike = SHM_DIR, proc: os.PathLike = "/proc") -> set[str]:
+    """Names in ``shm_dir`` that a live process still maps or holds open (``/proc/<pid>/maps`` and ``fd``).
+
+    Processes this user may not inspect are skipped (their segments are then not seen as in use:
+    the clean-up only ever looks at segments created while its own block ran).
+    """
+    shm_dir, used = str(Path(shm_dir)), set()
+    for pid_dir in Path(proc).glob("[0-9]*"):
+        try:
+            for line in (pid_dir / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                path = fields[5] if len(fields) == 6 else ""
+                if path.startswith(shm_dir + "/"):
+                    used.add(Path(path.split(" (deleted)")[0]).name)
+            for fd in (pid_dir / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(shm_dir + "/"):
+                    used.add(Path(target).name)
+        except OSError:
+            continue  # the process ended, or it is not ours to inspect
+    return used
+
+
 @contextlib.contextmanager
-def engine_shm_cleanup(shm_dir: os.PathLike = SHM_DIR) -> Iterator[list[str]]:
-    """Remove the ``psm_*`` segments that appear while the block runs (yields the removed names).
+def engine_shm_cleanup(shm_dir: os.PathLike = SHM_DIR, proc: os.PathLike = "/proc") -> Iterator[list[str]]:
+    """Remove the ``psm_*`` segments left behind by the block's run (yields the removed names).
 
     vLLM's engines leave ~400 MB each in ``/dev/shm`` when Ray kills them at the end of a run.
-    Only segments created during the block are removed: call it around runs that hold the
-    machine alone (the heavy-run lock), after their processes are gone.
+    Only segments created while the block ran **and no longer mapped or open by any live
+    process** are removed, so a vLLM run beside this one (another test, another user's run)
+    keeps its segments (measured: removing them all killed a concurrent engine with
+    ``FileNotFoundError: '/psm_...'``).
     """
     before = shm_names(shm_dir)
     removed: list[str] = []
     try:
         yield removed
     finally:
-        for name in sorted(shm_names(shm_dir) - before):
+        in_use = shm_in_use(shm_dir, proc)
+        for name in sorted(shm_names(shm_dir) - before - in_use):
             try:
                 (Path(shm_dir) / name).unlink()
                 removed.append(name)
