@@ -221,3 +221,17 @@ def test_evaluate_finds_the_checkpoints(tmp_path):
     assert list(evaluate.checkpoints(tmp_path)) == [20, 100]
     with pytest.raises(SystemExit):
         evaluate.parse_args([str(tmp_path), "--n", "0"])
+
+
+def test_all_scores_a_run_in_fp32_only_when_a_checkpoint_is_unscored(tmp_path):
+    from repro import all as repro_all
+
+    assert not repro_all.fp32_validated(tmp_path)  # never scored
+    for step in (20, 40):
+        hf = tmp_path / "checkpoints" / f"global_step_{step}" / "actor" / "huggingface"
+        hf.mkdir(parents=True)
+        (hf / "config.json").write_text("{}")
+    (tmp_path / "fp32_val.json").write_text(json.dumps({"0": {}, "20": {}}))
+    assert not repro_all.fp32_validated(tmp_path)  # step 40 is not scored yet
+    (tmp_path / "fp32_val.json").write_text(json.dumps({"0": {}, "20": {}, "40": {}}))
+    assert repro_all.fp32_validated(tmp_path)
