@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--assets", type=Path, default=REPO_ROOT / "outputs" / "repro" / "assets")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "repro" / "runs")
     p.add_argument("--name", default=None, help="run directory name (default <arm>-s<seed>)")
-    p.add_argument("--timeout", type=float, default=None, help="hard limit in s (default 300 + 8 s per step)")
+    p.add_argument("--timeout", type=float, default=None, help="hard limit in s (default 600 + 8 s per step: vLLM start-up alone took 140-400 s, measured)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides")
     args = p.parse_args(argv)
     arms = RECIPES[args.recipe].ARMS
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     else:
         overrides = noise_arms.arm_overrides(args.arm, args.seed, args.steps, args.lr, args.noise)
     overrides += list(args.overrides)
-    timeout = args.timeout or 300 + 8 * args.steps
+    timeout = args.timeout or 600 + 8 * args.steps
     print(f"run {name}: {' '.join(overrides)}", flush=True)
     with cleanup:
         result = run_main_ppo(run_dir, overrides, assets_dir=args.assets, config_name="cpu_demo", timeout_s=timeout,
