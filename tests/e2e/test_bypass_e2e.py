@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from test_main_ppo_cpu import SURGE, TRAINER, series
-from test_mismatch_e2e import BF16_STEPS, FP32_K3_MAX, MISMATCH_KEYS, bf16_run
+from test_mismatch_e2e import BF16_STEPS, FP32_K3_MAX, MISMATCH_KEYS, ONE_BATCH, bf16_run
 from verl_lrstab.mismatch import finalize
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]  # a test may start two runs of RUN_TIMEOUT_S
@@ -41,6 +41,7 @@ def bypass_run(main_ppo, dtype: str = "bfloat16", trainer: str = "v0", steps: in
         "actor_rollout_ref.actor.optim.length_surge.trigger=mismatch",
         f"actor_rollout_ref.actor.optim.length_surge.mismatch_budget={BUDGET}",
         BYPASS,
+        ONE_BATCH,  # the same batches as its twin (bf16_run), so step 1 compares the same samples
     ])
 
 

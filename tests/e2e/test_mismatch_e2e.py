@@ -16,6 +16,10 @@ MISMATCH_KEYS = {f"actor/mismatch/{k}" for k in ("k1", "k3", "seq_k1", "seq_k3",
                                                  "n_tokens", "n_nonfinite")}
 BF16_STEPS = 8
 FP32_K3_MAX = 1e-6  # same weights, same dtype: rounding only
+# bf16 generation is not batch-invariant: the step's requests must share one batch in every run, or
+# two runs of the same seed sample differently (measured under load with the default 20 ms window:
+# the bypass test's step-1 k1 differed by 1.3 % from its twin's). One second collects them all.
+ONE_BATCH = "actor_rollout_ref.rollout.engine_kwargs.transformers.batch_wait_ms=1000"
 
 
 def bf16_run(main_ppo, budget: float):
@@ -25,6 +29,7 @@ def bf16_run(main_ppo, budget: float):
         "actor_rollout_ref.rollout.dtype=bfloat16",
         "actor_rollout_ref.actor.optim.length_surge.trigger=mismatch",
         f"actor_rollout_ref.actor.optim.length_surge.mismatch_budget={budget}",
+        ONE_BATCH,
     ])
 
 
