@@ -61,7 +61,7 @@ LINESTYLES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 1, 3, 1))]
 LATE_POINTS = 5  # late_val: mean of the last 5 validations (one point of 256 samples is noisy)
 SERIES = {  # figure -> (metric, title, log y)
     "length": ("response_length/mean", "mean response length (tokens)", False),
-    "val": (VAL_KEY, "validation accuracy (sampled, mean@n)", False),
+    "val": (VAL_KEY, "validation accuracy (fp32 if scored, else via the sampler)", False),
     "score": ("critic/score/mean", "training reward (sampled)", False),
     "mismatch": ("actor/mismatch/k3", "mismatch KL k3 (rollout vs trainer)", True),
     "lr": ("actor/lr", "actor LR", False),
