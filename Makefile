@@ -69,8 +69,8 @@ test: install install-megatron install-vllm
 test-unit: install
 	$(PY) -m pytest -m "not e2e" -q
 
-## Every end-to-end check, larger forms included (V0 and V1, resume, stock parity).
-test-e2e: install install-vllm
+## Every end-to-end check, larger forms included (V0 and V1, resume, stock parity, Megatron's worker).
+test-e2e: install install-megatron install-vllm
 	$(PY) -m pytest -m e2e -q -rs
 
 ## The Megatron tests alone (megatron-core 0.16, Python 3.11; also part of make test).
