@@ -73,6 +73,17 @@ ARMS: dict[str, dict] = {
 }
 
 
+def run_overrides(arm: str, seed: int, steps: int, lr: float) -> list[str]:
+    """What one run of either recipe sets besides its base and arm: seeds, steps, LR, experiment name."""
+    return [
+        f"data.seed={seed}",
+        f"actor_rollout_ref.rollout.seed={seed}",
+        f"trainer.total_training_steps={steps}",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        f"trainer.experiment_name={arm}-s{seed}",
+    ]
+
+
 def mismatch_overrides(enabled: bool, noise: float) -> list[str]:
     """The rollout-side mismatch knobs.
 
@@ -109,11 +120,7 @@ def arm_overrides(arm: str, seed: int, steps: int, lr: float, noise: float) -> l
     spec = ARMS[arm]
     return [
         *BASE,
-        f"data.seed={seed}",
-        f"actor_rollout_ref.rollout.seed={seed}",
-        f"trainer.total_training_steps={steps}",
-        f"actor_rollout_ref.actor.optim.lr={lr}",
-        f"trainer.experiment_name={arm}-s{seed}",
+        *run_overrides(arm, seed, steps, lr),
         *mismatch_overrides(spec["mismatch"], noise),
         *spec["overrides"],
     ]

@@ -16,6 +16,8 @@ training damage from the sampler's evaluation noise.
 
 from __future__ import annotations
 
+from repro.arms import run_overrides
+
 LS = "++actor_rollout_ref.actor.optim.length_surge"
 SURGE_KEYS_OF_CPU_DEMO = ("skip_first_steps", "fast_window", "horizon", "baseline_window", "ratio_threshold", "patience")
 
@@ -108,10 +110,6 @@ def arm_overrides(arm: str, seed: int, steps: int, lr: float) -> list[str]:
         raise ValueError(f"--steps must be >= 1 and --lr > 0, got {steps} and {lr}")
     return [
         *BASE,
-        f"data.seed={seed}",
-        f"actor_rollout_ref.rollout.seed={seed}",
-        f"trainer.total_training_steps={steps}",
-        f"actor_rollout_ref.actor.optim.lr={lr}",
-        f"trainer.experiment_name={arm}-s{seed}",
+        *run_overrides(arm, seed, steps, lr),
         *ARMS[arm]["overrides"],
     ]
