@@ -161,7 +161,10 @@ def test_bypass_arms_differ_only_in_what_they_name():
         assert bypass_arms.MONITOR not in set(bypass_arms.arm_overrides(arm, 2, 300, 5e-4))
     with pytest.raises(ValueError, match="allowed values are"):
         bypass_arms.arm_overrides("const", 1, 5, 1e-4)
-    assert bypass_arms.sampler_env("bf16") == {"LRSTAB_VLLM_SAMPLER_WEIGHTS": ""}
+    assert bypass_arms.sampler_env("bf16") == {"LRSTAB_VLLM_SAMPLER_WEIGHTS": "", "LRSTAB_VLLM_SAMPLER_TEMPERATURE": ""}
+    assert bypass_arms.sampler_env("fp8_e4m3", 1.3)["LRSTAB_VLLM_SAMPLER_TEMPERATURE"] == "1.3"
+    with pytest.raises(ValueError, match="--sampler-temperature 0.0: allowed values are numbers > 0"):
+        bypass_arms.sampler_env("bf16", 0.0)
     with pytest.raises(ValueError, match="--sampler 'fp4'.*allowed values"):
         bypass_arms.sampler_env("fp4")
 
@@ -190,6 +193,31 @@ def test_sampler_rounding_keeps_the_kind_of_the_mismatch(monkeypatch):
     monkeypatch.setenv(vllm_server.SAMPLER_WEIGHTS_ENV, "int4")
     with pytest.raises(ValueError, match="LRSTAB_VLLM_SAMPLER_WEIGHTS='int4': allowed values"):
         vllm_server.sampler_format()
+
+
+def test_sampler_temperature_makes_the_sampler_heavier_tailed(monkeypatch):
+    import torch
+
+    from verl_lrstab.cpu import vllm_server
+
+    monkeypatch.delenv(vllm_server.SAMPLER_TEMPERATURE_ENV, raising=False)
+    assert vllm_server.sampler_temperature_factor() == 1.0
+    monkeypatch.setenv(vllm_server.SAMPLER_TEMPERATURE_ENV, "1.3")
+    factor = vllm_server.sampler_temperature_factor()
+    assert factor == 1.3
+    params = {"temperature": 1.0, "top_p": 1.0, "logprobs": 0}
+    hot = vllm_server.scale_sampling_temperature(params, factor)
+    assert hot == {**params, "temperature": 1.3} and params["temperature"] == 1.0  # the caller's dict is untouched
+    greedy = {"temperature": 0}
+    assert vllm_server.scale_sampling_temperature(greedy, factor) is greedy  # greedy stays greedy
+    # the kind of mismatch it makes: the tail is likelier under the sampler than under the trainer
+    logits = torch.tensor([4.0, 1.0, 0.0, -2.0])
+    trainer, sampler = torch.softmax(logits, 0), torch.softmax(logits / hot["temperature"], 0)
+    assert sampler[0] < trainer[0] and (sampler[1:] > trainer[1:]).all()
+    for bad in ("0", "-1", "hot", "inf", "nan"):
+        monkeypatch.setenv(vllm_server.SAMPLER_TEMPERATURE_ENV, bad)
+        with pytest.raises(ValueError, match="LRSTAB_VLLM_SAMPLER_TEMPERATURE=.*allowed values are numbers > 0"):
+            vllm_server.sampler_temperature_factor()
 
 
 def test_report_prefers_the_fp32_validation(tmp_path):

@@ -24,6 +24,7 @@ SURGE_KEYS_OF_CPU_DEMO = ("skip_first_steps", "fast_window", "horizon", "baselin
 DEFAULT_LR = 5e-4
 DEFAULT_SAMPLER = "fp8_e4m3"
 SAMPLERS = ("bf16", "fp8_e4m3", "fp8_e5m2")
+DEFAULT_SAMPLER_TEMPERATURE = 1.0  # x the trainer's temperature (LRSTAB_VLLM_SAMPLER_TEMPERATURE); 1 = off
 VAL_EVERY = 20
 RESPONSE_CAP = 128  # >= 4x the typical worked answer of 3-4-digit sums (25-40 tokens): room for a runaway
 
@@ -84,15 +85,20 @@ ARMS: dict[str, dict] = {
 }
 
 
-def sampler_env(sampler: str) -> dict[str, str]:
-    """The environment that selects the sampler's weight precision (``LRSTAB_VLLM_SAMPLER_WEIGHTS``).
+def sampler_env(sampler: str, temperature: float = DEFAULT_SAMPLER_TEMPERATURE) -> dict[str, str]:
+    """The environment that sets the sampler's amplifiers (read by ``verl_lrstab.cpu.vllm_server``).
 
     Args:
-        sampler: one of :data:`SAMPLERS`.
+        sampler: the weight precision, one of :data:`SAMPLERS` (``LRSTAB_VLLM_SAMPLER_WEIGHTS``).
+        temperature: the factor on the sampling temperature (``LRSTAB_VLLM_SAMPLER_TEMPERATURE``), > 0;
+            default 1 (off).
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"--sampler {sampler!r}: allowed values are {list(SAMPLERS)}")
-    return {"LRSTAB_VLLM_SAMPLER_WEIGHTS": "" if sampler == "bf16" else sampler}
+    if not (0 < temperature < float("inf")):
+        raise ValueError(f"--sampler-temperature {temperature!r}: allowed values are numbers > 0 (1 = off)")
+    return {"LRSTAB_VLLM_SAMPLER_WEIGHTS": "" if sampler == "bf16" else sampler,
+            "LRSTAB_VLLM_SAMPLER_TEMPERATURE": "" if temperature == 1.0 else repr(float(temperature))}
 
 
 def arm_overrides(arm: str, seed: int, steps: int, lr: float) -> list[str]:

@@ -40,6 +40,9 @@ def parse_args(argv=None):
                    help=f"initial actor LR (default {bypass_arms.DEFAULT_LR} bypass, {noise_arms.DEFAULT_LR} noise)")
     p.add_argument("--sampler", choices=bypass_arms.SAMPLERS, default=bypass_arms.DEFAULT_SAMPLER,
                    help=f"bypass recipe: the sampler's weight precision (default {bypass_arms.DEFAULT_SAMPLER})")
+    p.add_argument("--sampler-temperature", type=float, default=bypass_arms.DEFAULT_SAMPLER_TEMPERATURE,
+                   help="bypass recipe: the sampler samples (and reports log-probs) at this factor x the trainer's "
+                        f"temperature (default {bypass_arms.DEFAULT_SAMPLER_TEMPERATURE}: off)")
     p.add_argument("--noise", type=float, default=noise_arms.DEFAULT_NOISE,
                    help=f"noise recipe: weight-noise sigma of the mismatch arms, x std(param) (default {noise_arms.DEFAULT_NOISE})")
     p.add_argument("--assets", type=Path, default=REPO_ROOT / "outputs" / "repro" / "assets")
@@ -66,7 +69,8 @@ def describe_step(d: dict) -> str:
 def setting(args) -> dict:
     """What makes two runs comparable (recorded in run.json; all.py reuses a run only on a match)."""
     if args.recipe == "bypass":
-        return {"recipe": "bypass", "steps": args.steps, "lr": args.lr, "sampler": args.sampler}
+        return {"recipe": "bypass", "steps": args.steps, "lr": args.lr, "sampler": args.sampler,
+                "sampler_temperature": args.sampler_temperature}
     return {"recipe": "noise", "steps": args.steps, "lr": args.lr, "noise": args.noise}
 
 
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
         from verl_lrstab.cpu.vllm_rollout import engine_shm_cleanup, loopback_env
 
         overrides = bypass_arms.arm_overrides(args.arm, args.seed, args.steps, args.lr)
-        env.update(loopback_env(), **bypass_arms.sampler_env(args.sampler))
+        env.update(loopback_env(), **bypass_arms.sampler_env(args.sampler, args.sampler_temperature))
         cleanup = engine_shm_cleanup()  # the psm_* segments vLLM's engine leaves in /dev/shm
     else:
         overrides = noise_arms.arm_overrides(args.arm, args.seed, args.steps, args.lr, args.noise)

