@@ -195,6 +195,28 @@ def test_sampler_rounding_keeps_the_kind_of_the_mismatch(monkeypatch):
         vllm_server.sampler_format()
 
 
+def test_the_marked_grader_ignores_what_follows_the_answer(tmp_path):
+    import json as _json
+
+    from repro import bypass_arms, evaluate, task
+
+    worked = task.worked_answer(347, 589)
+    for text in (worked, worked + ",7+7=14,3", worked + " +", "=936"):
+        assert task.compute_score_marked("", text, 936) == 1.0
+    assert task.compute_score("", worked + ",7+7=14,3", 936) == 0.0  # the strict grader wants the answer last
+    assert task.compute_score_marked("", "7+9=16,4+8+1=13,3+5+1=9,=935,=936", 936) == 1.0  # the last marker counts
+    assert task.compute_score_marked("", "7+9=16,4+8+1=13,3+5+1=936", 936) == 0.0  # a column step is no answer
+    assert task.compute_score_marked("", "", 936) == 0.0
+    overrides = bypass_arms.arm_overrides("bp_const", 1, 10, 5e-4, grader="marked")
+    assert "reward.custom_reward_function.name=compute_score_marked" in overrides
+    assert "reward.custom_reward_function.name=compute_score" in bypass_arms.arm_overrides("bp_const", 1, 10, 5e-4)
+    with pytest.raises(ValueError, match="--grader 'loose': allowed values are"):
+        bypass_arms.arm_overrides("bp_const", 1, 10, 5e-4, grader="loose")
+    (tmp_path / "run.json").write_text(_json.dumps({"grader": "marked"}))
+    assert evaluate.run_grader(tmp_path) is task.compute_score_marked  # fp32 validation grades as training did
+    assert evaluate.run_grader(tmp_path / "older-run") is task.compute_score
+
+
 def test_sampler_temperature_makes_the_sampler_heavier_tailed(monkeypatch):
     import torch
 

@@ -93,6 +93,8 @@ def parse_args(argv=None):
                    help="bypass recipe: the sampler's weight precision")
     p.add_argument("--sampler-temperature", type=float, default=bypass_arms.DEFAULT_SAMPLER_TEMPERATURE,
                    help="bypass recipe: factor on the sampler's temperature (1 = off)")
+    p.add_argument("--grader", choices=sorted(bypass_arms.GRADERS), default=bypass_arms.DEFAULT_GRADER,
+                   help="bypass recipe: the reward's grader (see run.py)")
     p.add_argument("--noise", type=float, default=noise_arms.DEFAULT_NOISE, help="noise recipe: weight-noise sigma")
     p.add_argument("--sft-steps", type=int, default=None, help="warm-start steps (default 8000; 600 with --ci)")
     p.add_argument("--min-digits", type=int, default=WARMSTART["min_digits"])
@@ -113,7 +115,7 @@ def setting(args, steps: int) -> dict:
     """What run.py records in run.json for this setting (all.py reuses a run only on a match)."""
     if args.recipe == "bypass":
         return {"recipe": "bypass", "steps": steps, "lr": args.lr, "sampler": args.sampler,
-                "sampler_temperature": args.sampler_temperature}
+                "sampler_temperature": args.sampler_temperature, "grader": args.grader}
     return {"recipe": "noise", "steps": steps, "lr": args.lr, "noise": args.noise}
 
 
@@ -143,7 +145,8 @@ def main(argv=None) -> int:
         if not finished_run(run_dir / "run.json", **setting(args, steps)):
             elapsed = time.monotonic() - start
             print(f"== repro run {i}/{len(todo)}: {arm}-s{seed} ({elapsed / 60:.0f} min elapsed)", flush=True)
-            knob = (["--sampler", args.sampler, "--sampler-temperature", str(args.sampler_temperature)] if args.recipe == "bypass" else ["--noise", str(args.noise)])
+            knob = (["--sampler", args.sampler, "--sampler-temperature", str(args.sampler_temperature),
+                     "--grader", args.grader] if args.recipe == "bypass" else ["--noise", str(args.noise)])
             rc = sh([py, str(HERE / "run.py"), "--recipe", args.recipe, "--arm", arm, "--seed", str(seed),
                      "--steps", str(steps), "--lr", str(args.lr), *knob, "--assets", str(assets), "--out", str(runs)])
             if rc != 0:

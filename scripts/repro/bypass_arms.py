@@ -26,6 +26,10 @@ DEFAULT_SAMPLER = "fp8_e4m3"
 SAMPLERS = ("bf16", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_SAMPLER_TEMPERATURE = 1.0  # x the trainer's temperature (LRSTAB_VLLM_SAMPLER_TEMPERATURE); 1 = off
 VAL_EVERY = 20
+# the reward's grader (functions of task.py): "strict" wants ",=N" at the very end; "marked" takes the last
+# ",=N" wherever it is and ignores what follows, as math graders take the last \boxed{} answer
+GRADERS = {"strict": "compute_score", "marked": "compute_score_marked"}
+DEFAULT_GRADER = "strict"
 RESPONSE_CAP = 128  # >= 4x the typical worked answer of 3-4-digit sums (25-40 tokens): room for a runaway
 
 # What every run shares, on top of configs/cpu_demo.yaml (+ configs/cpu_rollout/vllm.yaml).
@@ -45,7 +49,6 @@ BASE = [
     "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
     "actor_rollout_ref.rollout.full_determinism=true",  # per-request seeds: arms of one seed share their samples until they differ
     "reward.custom_reward_function.path=${oc.env:LRSTAB_REPRO_REWARD}",
-    "reward.custom_reward_function.name=compute_score",
     "trainer.val_before_train=true",
     f"trainer.test_freq={VAL_EVERY}",
     "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
@@ -101,7 +104,7 @@ def sampler_env(sampler: str, temperature: float = DEFAULT_SAMPLER_TEMPERATURE) 
             "LRSTAB_VLLM_SAMPLER_TEMPERATURE": "" if temperature == 1.0 else repr(float(temperature))}
 
 
-def arm_overrides(arm: str, seed: int, steps: int, lr: float) -> list[str]:
+def arm_overrides(arm: str, seed: int, steps: int, lr: float, grader: str = DEFAULT_GRADER) -> list[str]:
     """All Hydra overrides of one run (on ``configs/cpu_demo.yaml``).
 
     Args:
@@ -109,13 +112,17 @@ def arm_overrides(arm: str, seed: int, steps: int, lr: float) -> list[str]:
         seed: data order and rollout sampling seed.
         steps: RL steps (= optimizer steps).
         lr: initial actor LR.
+        grader: a key of :data:`GRADERS` (default ``strict``).
     """
     if arm not in ARMS:
         raise ValueError(f"--arm {arm!r} is not an arm of the bypass recipe: allowed values are {sorted(ARMS)}")
+    if grader not in GRADERS:
+        raise ValueError(f"--grader {grader!r}: allowed values are {sorted(GRADERS)}")
     if steps < 1 or lr <= 0:
         raise ValueError(f"--steps must be >= 1 and --lr > 0, got {steps} and {lr}")
     return [
         *BASE,
+        f"reward.custom_reward_function.name={GRADERS[grader]}",
         *run_overrides(arm, seed, steps, lr),
         *ARMS[arm]["overrides"],
     ]

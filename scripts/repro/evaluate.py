@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/` (verl ships its own `scripts` package)
-from repro.task import answer_mode, compute_score  # noqa: E402
+from repro import task  # noqa: E402
+from repro.task import answer_mode  # noqa: E402
 
 from verl_lrstab.cpu.launch import REPO_ROOT  # noqa: E402
 
@@ -62,8 +63,18 @@ def validation_prompts(assets: Path) -> list[tuple[str, int]]:
     return [(row["prompt"][0]["content"], int(row["reward_model"]["ground_truth"])) for _, row in df.iterrows()]
 
 
-def score_model(model_dir: Path, prompts: list[tuple[str, int]], n: int, max_new_tokens: int, seed: int) -> dict:
-    """Sample every prompt ``n`` times (fp32, temperature 1, one left-padded batch) and score it."""
+def run_grader(run_dir: Path):
+    """The reward function the run trained with (``grader`` in its run.json; runs without one: strict)."""
+    from repro.bypass_arms import GRADERS
+
+    info = run_dir / "run.json"
+    grader = json.loads(info.read_text()).get("grader", "strict") if info.exists() else "strict"
+    return getattr(task, GRADERS[grader])
+
+
+def score_model(model_dir: Path, prompts: list[tuple[str, int]], n: int, max_new_tokens: int, seed: int,
+                compute_score=task.compute_score) -> dict:
+    """Sample every prompt ``n`` times (fp32, temperature 1, one left-padded batch) and score it with ``compute_score``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -96,10 +107,11 @@ def evaluate_run(run_dir: Path, assets: Path, n: int, max_new_tokens: int, seed:
     done = json.loads(path.read_text()) if path.exists() else {}
     prompts = validation_prompts(assets)
     todo = {0: assets / "model", **checkpoints(run_dir)}
+    grade = run_grader(run_dir)
     for step, model_dir in todo.items():
         if str(step) in done:
             continue
-        done[str(step)] = score_model(model_dir, prompts, n, max_new_tokens, seed + step)
+        done[str(step)] = score_model(model_dir, prompts, n, max_new_tokens, seed + step, grade)
         print(f"{run_dir.name}: step {step:4d} fp32 val {done[str(step)]['acc']:.3f} "
               f"len {done[str(step)]['mean_length']:.1f}", flush=True)
         path.write_text(json.dumps(dict(sorted(done.items(), key=lambda kv: int(kv[0]))), indent=1))

@@ -43,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--sampler-temperature", type=float, default=bypass_arms.DEFAULT_SAMPLER_TEMPERATURE,
                    help="bypass recipe: the sampler samples (and reports log-probs) at this factor x the trainer's "
                         f"temperature (default {bypass_arms.DEFAULT_SAMPLER_TEMPERATURE}: off)")
+    p.add_argument("--grader", choices=sorted(bypass_arms.GRADERS), default=bypass_arms.DEFAULT_GRADER,
+                   help="bypass recipe: strict (the answer ',=N' must end the response) or marked (the last ',=N' "
+                        f"anywhere, what follows ignored) (default {bypass_arms.DEFAULT_GRADER})")
     p.add_argument("--noise", type=float, default=noise_arms.DEFAULT_NOISE,
                    help=f"noise recipe: weight-noise sigma of the mismatch arms, x std(param) (default {noise_arms.DEFAULT_NOISE})")
     p.add_argument("--assets", type=Path, default=REPO_ROOT / "outputs" / "repro" / "assets")
@@ -70,7 +73,7 @@ def setting(args) -> dict:
     """What makes two runs comparable (recorded in run.json; all.py reuses a run only on a match)."""
     if args.recipe == "bypass":
         return {"recipe": "bypass", "steps": args.steps, "lr": args.lr, "sampler": args.sampler,
-                "sampler_temperature": args.sampler_temperature}
+                "sampler_temperature": args.sampler_temperature, "grader": args.grader}
     return {"recipe": "noise", "steps": args.steps, "lr": args.lr, "noise": args.noise}
 
 
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
     if args.recipe == "bypass":
         from verl_lrstab.cpu.vllm_rollout import engine_shm_cleanup, loopback_env
 
-        overrides = bypass_arms.arm_overrides(args.arm, args.seed, args.steps, args.lr)
+        overrides = bypass_arms.arm_overrides(args.arm, args.seed, args.steps, args.lr, args.grader)
         env.update(loopback_env(), **bypass_arms.sampler_env(args.sampler, args.sampler_temperature))
         cleanup = engine_shm_cleanup()  # the psm_* segments vLLM's engine leaves in /dev/shm
     else:

@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 
 DATA_SOURCE = "lrstab_repro_add"
 _ANSWER = re.compile(r"=(-?\d+)\s*$")
+_MARKED_ANSWER = re.compile(r"(?:^|,)=(-?\d+)")  # the answer marker ",=N" (a bare "=" opening a step), anywhere
 
 
 def make_problem(rng: random.Random, min_digits: int, max_digits: int) -> tuple[int, int]:
@@ -78,6 +79,26 @@ def parse_answer(text: str) -> Optional[int]:
     """The final answer: the integer after the LAST ``=``, at the end of the text; else None."""
     m = _ANSWER.search(text.strip())
     return int(m.group(1)) if m else None
+
+
+def parse_marked_answer(text: str) -> Optional[int]:
+    """The answer as a math grader finds a ``\\boxed{}``: the LAST ``,=N`` (or a leading ``=N``), wherever it is.
+
+    Text after it is ignored, so a response that rambles on after its answer keeps its reward
+    (as with graders that extract the last boxed answer), unlike :func:`parse_answer`.
+    """
+    found = _MARKED_ANSWER.findall(text.strip())
+    return int(found[-1]) if found else None
+
+
+def compute_score_marked(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, **kwargs
+) -> float:
+    """verl ``custom_reward_function`` with the lenient grader: 1.0 if the last ``,=N`` is the sum (see
+    :func:`parse_marked_answer`), else 0.0. Arguments as :func:`compute_score`.
+    """
+    answer = parse_marked_answer(solution_str)
+    return 1.0 if answer is not None and answer == int(ground_truth) else 0.0
 
 
 def compute_score(
