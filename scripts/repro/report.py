@@ -64,6 +64,7 @@ SERIES = {  # figure -> (metric, title, log y)
     "val": (VAL_KEY, "validation accuracy (fp32 if scored, else via the sampler)", False),
     "score": ("critic/score/mean", "training reward (sampled)", False),
     "mismatch": ("actor/mismatch/k3", "mismatch KL k3 (rollout vs trainer)", True),
+    "clipfrac": ("actor/pg_clipfrac", "share of tokens the PPO clip cut", False),
     "lr": ("actor/lr", "actor LR", False),
 }
 
@@ -257,6 +258,15 @@ def plot(runs: list[tuple[dict, dict]], out: Path) -> list[Path]:
     return paths
 
 
+SETTING_KEYS = ("recipe", "steps", "lr", "sampler", "sampler_temperature", "grader", "noise")
+
+
+def setting_line(rows: list[dict]) -> str:
+    """The runs' setting (from their run.json), each key with every value it takes."""
+    values = {k: sorted({str(r["setting"][k]) for r in rows if k in r.get("setting", {})}) for k in SETTING_KEYS}
+    return "Setting: " + (", ".join(f"{k} {'/'.join(v)}" for k, v in values.items() if v) or "unknown (no run.json)")
+
+
 def collect(runs_dir: Path) -> list[tuple[dict, dict]]:
     """Every ``<runs_dir>/*/metrics.jsonl`` with its ``run.json`` (arm, seed, wall time)."""
     out = []
@@ -267,7 +277,8 @@ def collect(runs_dir: Path) -> list[tuple[dict, dict]]:
         info_path = path.parent / "run.json"
         info = json.loads(info_path.read_text()) if info_path.exists() else {}
         row = {"run": path.parent.name, "arm": info.get("arm", path.parent.name.rsplit("-s", 1)[0]),
-               "seed": info.get("seed"), "wall_s": info.get("wall_s"), **summarize_run(metrics)}
+               "seed": info.get("seed"), "wall_s": info.get("wall_s"),
+               "setting": {k: info[k] for k in SETTING_KEYS if k in info}, **summarize_run(metrics)}
         out.append((row, metrics))
     return out
 
@@ -284,7 +295,7 @@ def main(argv=None) -> int:
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [r for r, _ in runs]
-    text = "## Per arm\n\n" + arm_table(rows) + "\n\n## Per run\n\n" + run_table(rows) + "\n"
+    text = setting_line(rows) + "\n\n## Per arm\n\n" + arm_table(rows) + "\n\n## Per run\n\n" + run_table(rows) + "\n"
     (args.out / "summary.md").write_text(text)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
     paths = plot(runs, args.out)
