@@ -161,7 +161,8 @@ def test_bypass_arms_differ_only_in_what_they_name():
         assert bypass_arms.MONITOR not in set(bypass_arms.arm_overrides(arm, 2, 300, 5e-4))
     with pytest.raises(ValueError, match="allowed values are"):
         bypass_arms.arm_overrides("const", 1, 5, 1e-4)
-    assert bypass_arms.sampler_env("bf16") == {"LRSTAB_VLLM_SAMPLER_WEIGHTS": "", "LRSTAB_VLLM_SAMPLER_TEMPERATURE": ""}
+    assert bypass_arms.sampler_env("bf16", 1.0) == {"LRSTAB_VLLM_SAMPLER_WEIGHTS": "", "LRSTAB_VLLM_SAMPLER_TEMPERATURE": ""}
+    assert bypass_arms.sampler_env("bf16")["LRSTAB_VLLM_SAMPLER_TEMPERATURE"] == "1.3"  # the recipe's default amplifier
     assert bypass_arms.sampler_env("fp8_e4m3", 1.3)["LRSTAB_VLLM_SAMPLER_TEMPERATURE"] == "1.3"
     with pytest.raises(ValueError, match="--sampler-temperature 0.0: allowed values are numbers > 0"):
         bypass_arms.sampler_env("bf16", 0.0)
