@@ -3,9 +3,12 @@
 The mechanism of the public collapses: PPO's old log-probs are the **sampler's** log-probs
 (``algorithm.rollout_correction.bypass_mode=true``), so the PPO ratio is trainer / sampler and the
 clip acts on the training-inference mismatch. The control recomputes the old log-probs with the
-trainer (verl's default). The sampler is vLLM in bf16 against the fp32 FSDP trainer; its mismatch
-can be amplified, keeping its kind (rounding of the sampler's weights), by rounding the decoder's
-Linear weights through FP8 before vLLM loads them (``--sampler fp8_e4m3|fp8_e5m2``, see
+trainer (verl's default). The sampler is vLLM in bf16 against the fp32 FSDP trainer. That mismatch
+is too small at this scale (k3 ~1e-6, falling), so by default the sampler samples at 1.3x the
+trainer's temperature and reports the log-probs of what it sampled: a heavier tail than the
+trainer's, k3 ~4e-3 (``--sampler-temperature``, see
+``verl_lrstab.cpu.vllm_server.scale_sampling_temperature``). The other amplifier rounds the
+decoder's Linear weights through FP8 before vLLM loads them (``--sampler fp8_e4m3|fp8_e5m2``, see
 ``verl_lrstab.cpu.vllm_server.round_sampler_weight``).
 
 Validation: verl's own (through the sampler, at the last step only: 7 s a time, measured) is logged

@@ -2,7 +2,7 @@
 """Run one arm of the reproduction: verl's real ``main_ppo`` on CPU, one run at a time.
 
 Usage:
-    python scripts/repro/run.py --arm bp_const --seed 1 [--steps 300] [--lr 5e-4] [--sampler fp8_e4m3] [overrides ...]
+    python scripts/repro/run.py --arm bp_const --seed 1 [--steps 100] [--lr 5e-4] [--sampler bf16] [--sampler-temperature 1.3] [--grader strict] [overrides ...]
     python scripts/repro/run.py --recipe noise --arm const --seed 1 [--steps 150] [--noise 0.3] [overrides ...]
 
 Two recipes: ``bypass`` (issue 13, the default: verl's vLLM rollout in bf16, bypass mode,
