@@ -254,13 +254,16 @@ def test_report_prefers_the_fp32_validation(tmp_path):
             d[sampler] = 0.25
         lines.append({"step": s, "data": d})
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    (run / "run.json").write_text(json.dumps({"arm": "bp_const", "seed": 1}))
+    (run / "run.json").write_text(json.dumps({"arm": "bp_const", "seed": 1, "recipe": "bypass", "sampler": "bf16",
+                                              "sampler_temperature": 1.3, "grader": "strict"}))
     fp32 = {"0": 0.4, "20": 0.8, "40": 0.1, "60": 0.05}
     (run / "fp32_val.json").write_text(json.dumps({k: {"acc": v, "mean_length": 30.0} for k, v in fp32.items()}))
     row = report.collect(tmp_path / "runs")[0][0]
     assert row["val_source"] == "fp32" and (row["peak_val"], row["final_val"], row["start_val"]) == (0.8, 0.05, 0.4)
     assert (row["collapse_step"], row["surge_step"], row["lead"]) == (40, 36, 4)
     assert row["sampler_final_val"] == 0.25
+    # the table says which amplifier and grader made it
+    assert report.setting_line([row]) == "Setting: recipe bypass, sampler bf16, sampler_temperature 1.3, grader strict"
 
 
 def test_evaluate_finds_the_checkpoints(tmp_path):
