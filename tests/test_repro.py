@@ -155,6 +155,9 @@ def test_bypass_arms_differ_only_in_what_they_name():
     assert f"{bypass_arms.LS}.origin=surge" in extra["bp_ls_surge"]
     assert "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine" in extra["bp_cosine"]
     assert {"algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.loss_type=reinforce"} <= extra["bp_tis"]
+    # where verl's engine workers read the loss (the V0 driver's apply_bypass_mode does not reach them)
+    assert {"++actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+            "++actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}"} <= extra["bp_tis"]
     recompute = set(bypass_arms.arm_overrides("recompute", 2, 300, 5e-4))
     assert bypass_arms.BYPASS not in recompute and bypass_arms.MONITOR in recompute
     for arm in ("bp_ls_start", "bp_ls_surge", "bp_cosine"):  # the LR moves in these arms only

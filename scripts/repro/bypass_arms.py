@@ -84,7 +84,13 @@ ARMS: dict[str, dict] = {
                   "doc": "bypass + verl's cosine to the same floor (0.1): a decay with no trigger"},
     "bp_tis": {"overrides": [BYPASS, MONITOR, "algorithm.rollout_correction.loss_type=reinforce",
                              "algorithm.rollout_correction.rollout_is=token",
-                             "algorithm.rollout_correction.rollout_is_threshold=2.0"],
+                             "algorithm.rollout_correction.rollout_is_threshold=2.0",
+                             # verl 0.9.1's V0 trainer hands these to the loss by editing the DRIVER's copy of
+                             # actor.policy_loss (apply_bypass_mode), which never reaches the engine workers: the
+                             # loss stays vanilla PPO and TIS is silently off (measured: bp_tis == bp_const to the
+                             # last digit). Set them where the workers read them.
+                             "++actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+                             "++actor_rollout_ref.actor.policy_loss.rollout_correction=${algorithm.rollout_correction}"],
                "doc": "bypass + token TIS (verl: loss_type reinforce, token IS weights capped at 2)"},
     "recompute": {"overrides": [MONITOR],
                   "doc": "control: old log-probs recomputed by the trainer (verl's default), constant LR"},
