@@ -2,7 +2,7 @@
 """`make repro` / `make repro-ci`: warm start (if missing), every arm x seed one at a time, then the report.
 
 Usage:
-    python scripts/repro/all.py                 # full: 8000-step warm start, 6 bypass-recipe arms x 3 seeds x 300 steps
+    python scripts/repro/all.py                 # full: 8000-step warm start, 6 bypass-recipe arms x 3 seeds x 100 steps
     python scripts/repro/all.py --ci            # CI: 600-step warm start, bp_const + bp_ls_surge, 1 seed, 12 steps
     python scripts/repro/all.py --arms bp_const recompute --seeds 1 2 --steps 100
     python scripts/repro/all.py --recipe noise  # issue 6's table (transformers rollout, injected weight noise)
@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from repro import arms as noise_arms  # noqa: E402
 from repro import bypass_arms  # noqa: E402
+from repro import run as repro_run  # noqa: E402
 
 RECIPES = {"bypass": bypass_arms, "noise": noise_arms}
 CI_ARMS = {"bypass": ["bp_const", "bp_ls_surge"], "noise": ["const", "ls_surge"]}
@@ -111,12 +112,12 @@ def parse_args(argv=None):
     return args
 
 
-def setting(args, steps: int) -> dict:
-    """What run.py records in run.json for this setting (all.py reuses a run only on a match)."""
-    if args.recipe == "bypass":
-        return {"recipe": "bypass", "steps": steps, "lr": args.lr, "sampler": args.sampler,
-                "sampler_temperature": args.sampler_temperature, "grader": args.grader}
-    return {"recipe": "noise", "steps": steps, "lr": args.lr, "noise": args.noise}
+def run_argv(args, arm: str, seed: int, steps: int, assets: Path, runs: Path) -> list[str]:
+    """run.py's arguments for one run of this setting."""
+    knob = (["--sampler", args.sampler, "--sampler-temperature", str(args.sampler_temperature), "--grader", args.grader]
+            if args.recipe == "bypass" else ["--noise", str(args.noise)])
+    return ["--recipe", args.recipe, "--arm", arm, "--seed", str(seed), "--steps", str(steps), "--lr", str(args.lr),
+            *knob, "--assets", str(assets), "--out", str(runs)]
 
 
 def sh(cmd: list[str]) -> int:
@@ -142,13 +143,12 @@ def main(argv=None) -> int:
     failed, todo = [], [(seed, arm) for seed in seeds for arm in arms]
     for i, (seed, arm) in enumerate(todo, 1):
         run_dir = runs / f"{arm}-s{seed}"
-        if not finished_run(run_dir / "run.json", **setting(args, steps)):
+        argv = run_argv(args, arm, seed, steps, assets, runs)
+        # the setting run.py would record in run.json (all.py reuses a run only on a match)
+        if not finished_run(run_dir / "run.json", **repro_run.setting(repro_run.parse_args(argv))):
             elapsed = time.monotonic() - start
             print(f"== repro run {i}/{len(todo)}: {arm}-s{seed} ({elapsed / 60:.0f} min elapsed)", flush=True)
-            knob = (["--sampler", args.sampler, "--sampler-temperature", str(args.sampler_temperature),
-                     "--grader", args.grader] if args.recipe == "bypass" else ["--noise", str(args.noise)])
-            rc = sh([py, str(HERE / "run.py"), "--recipe", args.recipe, "--arm", arm, "--seed", str(seed),
-                     "--steps", str(steps), "--lr", str(args.lr), *knob, "--assets", str(assets), "--out", str(runs)])
+            rc = sh([py, str(HERE / "run.py"), *argv])
             if rc != 0:
                 failed.append(f"{arm}-s{seed}")
                 continue
