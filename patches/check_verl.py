@@ -1,6 +1,6 @@
 """Check that what verl-lrstab wraps in verl still has the shape the wrappers rely on.
 
-The same checks run in-process when the plugin installs each wrap (``verl_lrstab.verl_plugin``):
+The same checks run in-process when the plugin installs each wrap (``verl_lrstab.glue.registry``):
 a target that fails them is left unwrapped, and ``length_surge`` is refused with the cause.
 This script prints them all for the installed verl.
 
@@ -17,20 +17,20 @@ def checks():
     """Yield (name, ok, detail) for each assumption the glue makes about verl."""
     import verl
 
-    from verl_lrstab import verl_plugin
+    from verl_lrstab.glue import registry, signals, wraps
 
     yield "verl version 0.9.x", verl.__version__.startswith("0.9."), verl.__version__
-    for wrap in verl_plugin.WRAPS:
+    for wrap in registry.WRAPS:
         try:
             module = importlib.import_module(wrap.module)
-            owner = verl_plugin.owner_of(wrap, module)
+            owner = wraps.owner_of(wrap, module)
             current = getattr(owner, wrap.attribute)
         except Exception as exc:  # noqa: BLE001 - a missing target is a failed check
             yield f"{wrap.target} exists", False, repr(exc)
             continue
         yield f"{wrap.target} exists", True, ""
-        yield from verl_plugin.shape_checks(wrap, module, current)
-    yield from verl_plugin.assumption_checks()
+        yield from wraps.shape_checks(wrap, module, current)
+    yield from signals.assumption_checks()
 
 
 def main() -> int:

@@ -148,8 +148,8 @@ def test_bypass_arms_differ_only_in_what_they_name():
     base = set(bypass_arms.arm_overrides("bp_const", seed=2, steps=300, lr=5e-4))
     assert {"+cpu_rollout=vllm", "data.max_response_length=128", "data.seed=2", "trainer.total_training_steps=300",
             "actor_rollout_ref.rollout.full_determinism=true", bypass_arms.BYPASS, bypass_arms.MONITOR} <= base
-    assert f"{bypass_arms.LS}.detector=cusum" in base  # the package's detector, not the demo's short ratio windows
-    assert "~actor_rollout_ref.actor.optim.length_surge.fast_window" in base
+    assert f"{bypass_arms.LS}.detector=cusum" in base  # the package's detector, not the demo's short windows
+    assert "~actor_rollout_ref.actor.optim.length_surge.cusum_span" in base
     extra = {arm: set(bypass_arms.arm_overrides(arm, 2, 300, 5e-4)) - base for arm in bypass_arms.ARMS}
     assert extra["bp_ls_start"] == {f"{bypass_arms.LS}.origin=start"} | ({f"trainer.experiment_name=bp_ls_start-s2"})
     assert f"{bypass_arms.LS}.origin=surge" in extra["bp_ls_surge"]

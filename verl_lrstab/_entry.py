@@ -1,22 +1,34 @@
 """The ``verl.plugins`` entry point: verl imports this in every process on ``import verl``.
 
-Nothing here may break a verl run. verl logs a failing plugin at debug level only, so a
-failure to load the glue goes through :func:`verl_lrstab._hooks.report_failure`: one ERROR
-naming verl's version and the cause, verl's own code left in place, and a guard armed so
-that a config naming ``length_surge`` fails at config time with that cause. Stock configs
-(``constant``, ``cosine``) are untouched.
+Nothing here may break a verl run, and verl logs a failing plugin at DEBUG only. So every
+module the glue needs is imported here one by one; one that fails is reported by name
+(:func:`verl_lrstab.glue.failsafe.report_failure`: one ERROR naming verl's version and the
+cause, verl's own code left in place, ``length_surge`` refused in this process), and the
+glue is installed (:func:`verl_lrstab.glue.registry.install`). Runs that do not name
+``length_surge`` are untouched: the wrappers call verl's own functions for them.
 """
+
+import importlib
+
+#: The package's modules a ``length_surge`` run needs, in import order (the glue last).
+PACKAGE_MODULES = ("verl_lrstab.config", "verl_lrstab.detector", "verl_lrstab.cusum", "verl_lrstab.mismatch_trigger",
+                   "verl_lrstab.schedule", "verl_lrstab.mismatch", "verl_lrstab.scheduler", "verl_lrstab.bypass")
 
 
 def load() -> None:
+    from verl_lrstab.glue.failsafe import report_failure  # stdlib only: works whatever else is broken
+
+    for name in PACKAGE_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - reported by name, verl would swallow it
+            report_failure(f"the package module {name}", exc)
     try:
-        from verl_lrstab import verl_plugin
+        from verl_lrstab.glue import registry
 
-        verl_plugin.install()
-    except Exception as exc:  # noqa: BLE001 - reported below, verl would swallow it
-        from verl_lrstab._hooks import report_failure
-
-        report_failure("verl_lrstab.verl_plugin (the glue module itself)", exc)
+        registry.install()
+    except Exception as exc:  # noqa: BLE001
+        report_failure("verl_lrstab.glue (the glue itself)", exc)
 
 
 load()

@@ -150,12 +150,12 @@ class FirstMiniBatchCapture:
             return self.global_stats
         n = len(mismatch.STAT_FIELDS)
         if self.failed is not None:
-            local = torch.full((n,), math.nan, dtype=torch.float64)
+            local = None  # every rank then gets None (mismatch.all_reduce_or_none)
         elif self.stats is None:
             local = torch.zeros(n, dtype=torch.float64)
         else:
             local = self.stats.detach().to(torch.float64).cpu()
-        self.global_stats = mismatch.all_reduce_stats(local.to(_collective_device(group)), group=group).cpu()
+        self.global_stats = mismatch.all_reduce_or_none(local, n, n_max=1, group=group)
         self.reduced = True
         return self.global_stats
 
@@ -213,16 +213,3 @@ def _combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Two ranks' or micro-batches' stats as one: SUM of the counts and sums, MAX of the max."""
     k = len(mismatch.STAT_FIELDS) - 1
     return torch.cat([a[:k] + b[:k], torch.maximum(a[k:], b[k:])])
-
-
-def _collective_device(group) -> torch.device:
-    """CPU for gloo, the accelerator for nccl/hccl (where a stats tensor must live for the collective)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return torch.device("cpu")
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if "hccl" in backend:
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")

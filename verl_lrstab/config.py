@@ -167,6 +167,15 @@ class LengthSurgeConfig:
             _check(getattr(self, key) == defaults[key], key, getattr(self, key),
                    f"its default {defaults[key]!r} with detector={self.detector!r} (it is read by "
                    f"detector: {'ratio' if key in RATIO_ONLY else 'cusum'} only)")
+        if self.trigger == "length":
+            for key in ("mismatch_budget", "mismatch_budget_factor", "mismatch_calibration_steps"):
+                _check(getattr(self, key) == defaults[key], key, getattr(self, key),
+                       f"its default {defaults[key]!r} with trigger='length' (it is read by trigger: mismatch "
+                       "or either only)")
+            if self.detector != "ratio":
+                _check(self.patience == defaults["patience"], "patience", self.patience,
+                       f"its default {defaults['patience']!r} with detector={self.detector!r} and trigger='length' "
+                       "(it is read by detector: ratio and trigger: mismatch or either only)")
         if self.mismatch_budget is not None:
             _check(_positive(self.mismatch_budget), "mismatch_budget", self.mismatch_budget,
                    "null or a number > 0")

@@ -88,6 +88,8 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
     def step(self, increment: int = 1, response_length: Optional[float] = None,
              mismatch_kl: Optional[float] = None) -> None:
         """Advance ``increment`` steps (verl: 1 per actor update) and set every group's LR and WD."""
+        if self._held:
+            return
         if increment > 0 and not self._replaying:
             self._observe_pending(self.num_steps + increment, response_length, mismatch_kl)
         super().step(increment)
@@ -126,16 +128,7 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the exact trajectory: our schedule first, then the stock keys and LR replay."""
-        own = state_dict.get(STATE_KEY)
-        if own is None:
-            logger.warning("verl_lrstab: the checkpoint has no length_surge state (saved by another LR schedule): "
-                           "the surge detector starts afresh at step %s", state_dict.get("num_steps"))
-        else:
-            saved = own.get("options")
-            if saved is not None and saved != self.config.to_dict():
-                logger.warning("verl_lrstab: length_surge options differ from the checkpoint's %s; the configured "
-                               "ones %s apply from now on", saved, self.config.to_dict())
-            self.schedule.load_state_dict(own["schedule"])
+        self._restore_schedule(state_dict.get(STATE_KEY), state_dict.get("num_steps"))
         configured_max_lr = self.max_lr
         self._replaying = True
         try:
@@ -187,43 +180,3 @@ def build_length_surge_param_scheduler(optimizer, optim_config, verbose: bool = 
         print(f"verl_lrstab: length_surge scheduler (Megatron), warmup {lr_warmup_steps} steps from "
               f"{optim_config.lr_warmup_init}, options {scheduler.config.to_dict()}")
     return scheduler
-
-
-# -- the plugin's wrap of MegatronEngine._build_lr_scheduler (registered in verl_plugin.WRAPS) -------
-def make_build_lr_scheduler(original_fn):
-    """``MegatronEngine._build_lr_scheduler(self)``: ours for ``lr_decay_style: length_surge``, verl's otherwise."""
-
-    def _build_lr_scheduler(self, *args, **kwargs):
-        optim_config = self.optimizer_config
-        if getattr(optim_config, "lr_decay_style", None) != SCHEDULER_NAME:
-            return original_fn(self, *args, **kwargs)
-        from verl_lrstab import verl_plugin
-        from verl_lrstab._hooks import check_usable
-
-        check_usable()  # a wrap failed in this process: refuse rather than run a scheduler nobody feeds
-        verl_plugin._check_assumptions_once()  # the figures the worker wrap feeds are still what verl logs
-        return build_length_surge_param_scheduler(self.optimizer, optim_config, verbose=_is_rank0())
-
-    return _build_lr_scheduler
-
-
-def engine_checks(module, build):
-    """What the wrap relies on in verl's ``MegatronEngine``, as ``(assumption, ok, detail)``."""
-    from verl_lrstab.verl_plugin import _source_contains
-
-    engine = module.MegatronEngine
-    yield "MegatronEngine._build_lr_scheduler uses get_megatron_optimizer_param_scheduler(self.optimizer)", \
-        *_source_contains(build, "get_megatron_optimizer_param_scheduler", "optimizer=self.optimizer")
-    yield "MegatronEngine.initialize() builds the optimizer before the scheduler and hands it to the checkpoint " \
-          "manager with use_checkpoint_opt_param_scheduler", *_source_contains(
-              engine.initialize, "self.lr_scheduler = self._build_lr_scheduler()",
-              "optimizer_scheduler=self.lr_scheduler",
-              "use_checkpoint_opt_param_scheduler=self.optimizer_config.use_checkpoint_opt_param_scheduler")
-    yield "MegatronEngine.lr_scheduler_step() calls step(1)", *_source_contains(
-        engine.lr_scheduler_step, "self.lr_scheduler.step(1)")
-
-
-def _is_rank0() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -53,6 +53,8 @@ __all__ = [
     "STAT_FIELDS",
     "compute_stats",
     "all_reduce_stats",
+    "all_reduce_or_none",
+    "collective_device",
     "finalize",
     "mismatch_metrics",
     "warn_once",
@@ -172,6 +174,48 @@ def all_reduce_stats(stats: Optional[torch.Tensor], group=None) -> Optional[torc
     torch.distributed.all_reduce(stats[:_N_SUM], op=torch.distributed.ReduceOp.SUM, group=group)
     torch.distributed.all_reduce(stats[_N_SUM:], op=torch.distributed.ReduceOp.MAX, group=group)
     return stats
+
+
+def collective_device(group=None) -> torch.device:
+    """The device a ``group`` collective reduces on: the accelerator for nccl/hccl, else the CPU (gloo)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())  # this rank's device, not device 0
+    if "hccl" in backend:
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")
+
+
+def all_reduce_or_none(local: Optional[torch.Tensor], size: int, n_max: int = 0, group=None) -> Optional[torch.Tensor]:
+    """The global value of a float64 ``[sums..., maxes...]`` vector, or None on every rank alike.
+
+    The one convention for a rank that cannot measure: it passes ``local=None``; an invalid
+    count travels with the sums, so if any rank could not measure, every rank gets None and
+    takes the same decision. Every rank of ``group`` must call it.
+
+    Args:
+        local: this rank's vector of ``size`` entries (the last ``n_max`` reduced with MAX), or None.
+        size: the vector's length (known without ``local``).
+        n_max: trailing entries reduced with MAX instead of SUM.
+        group: the data-parallel group; None is the default group.
+    """
+    values = torch.zeros(size, dtype=torch.float64) if local is None else local.detach().double().cpu()
+    n_sum = size - n_max
+    packed = torch.cat([values[:n_sum], torch.tensor([0.0 if local is not None else 1.0], dtype=torch.float64),
+                        values[n_sum:]])
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        packed = packed.to(collective_device(group))
+        dist.all_reduce(packed[:n_sum + 1], op=dist.ReduceOp.SUM, group=group)
+        if n_max:
+            dist.all_reduce(packed[n_sum + 1:], op=dist.ReduceOp.MAX, group=group)
+        packed = packed.cpu()
+    if packed[n_sum].item() > 0:
+        return None
+    return torch.cat([packed[:n_sum], packed[n_sum + 1:]])
 
 
 def finalize(stats: Optional[torch.Tensor], prefix: str = "mismatch/") -> Optional[dict]:

@@ -13,6 +13,8 @@ The torch scheduler that wraps this lives in :mod:`verl_lrstab.scheduler`.
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 from dataclasses import dataclass, field
@@ -224,6 +226,17 @@ class FedSchedule:
     verl's engine steps the scheduler without arguments; explicit arguments win."""
 
     schedule: LengthSurgeSchedule
+    _held: bool = False
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Within the block ``step()`` keeps the LR and feeds nothing: the actor updates of one
+        trainer step (verl's ``separate_async``) share one LR, and the step's figures are fed once."""
+        self._held = True
+        try:
+            yield self
+        finally:
+            self._held = False
 
     def _reset_pending(self) -> None:
         self.pending_response_length: Optional[float] = None
@@ -240,6 +253,28 @@ class FedSchedule:
         score, self.pending_score = self.pending_score, None
         clip_ratio, self.pending_clip_ratio = self.pending_clip_ratio, None
         self.schedule.observe(update, response_length, mismatch_kl, score=score, clip_ratio=clip_ratio)
+
+    def _restore_schedule(self, own: Optional[dict], step) -> None:
+        """Restore the schedule's state from a checkpoint (one behaviour for both engines).
+
+        Args:
+            own: ``{"schedule": ..., "options": ...}`` as saved, or None for a checkpoint saved by
+                another LR schedule (``constant``, ``cosine``, Megatron's styles): the length_surge
+                state then starts afresh, with a warning naming the checkpoint's step.
+            step: the checkpoint's update counter (for the messages).
+        """
+        if own is None or own.get("schedule") is None:
+            logger.warning("verl_lrstab: the checkpoint at update %s was saved by another LR schedule (it has no "
+                           "length_surge state): the surge detector starts afresh from there", step)
+            return
+        saved = own.get("options")
+        configured = self.config.to_dict()
+        if saved is not None and saved != configured:
+            changed = {k: (saved.get(k), v) for k, v in configured.items() if saved.get(k) != v}
+            logger.warning("verl_lrstab: length_surge options changed since the checkpoint at update %s "
+                           "(key: (checkpoint, now)) %s; the configured ones apply from now on, so the decay "
+                           "period and the LR may change at once", step, changed)
+        self.schedule.load_state_dict(own["schedule"])
 
     @property
     def config(self) -> LengthSurgeConfig:

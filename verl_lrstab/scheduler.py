@@ -59,6 +59,8 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
                 ``response_length/mean``). None or NaN is skipped with a warning.
             mismatch_kl (float | None): the update's mismatch KL, for ``trigger: mismatch|either``.
         """
+        if self._held:
+            return
         if not self._is_initial:
             self._observe_pending(self.last_epoch + 1, response_length, mismatch_kl)
         super().step()
@@ -84,6 +86,7 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
             "_last_lr": [float(lr) for lr in self._last_lr],
             "warmup_steps": self.schedule.warmup_steps,
             "schedule": self.schedule.state_dict(),
+            "options": self.config.to_dict(),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -92,6 +95,14 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         Like torch's schedulers (and upstream verl), the checkpoint's ``base_lrs`` win over a
         changed ``optim.lr``; a warning says so.
         """
+        if "schedule" not in state_dict:  # saved by verl's constant/cosine (a LambdaLR): restart the detector
+            self._restore_schedule(None, state_dict.get("last_epoch"))
+            self.last_epoch = int(state_dict.get("last_epoch", self.last_epoch))
+            self._step_count = int(state_dict.get("_step_count", self._step_count))
+            self._last_lr = [float(lr) for lr in self.get_lr()]
+            for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+                group["lr"] = lr
+            return
         base_lrs = [float(lr) for lr in state_dict["base_lrs"]]
         if any(abs(a - b) > 1e-12 * max(abs(a), abs(b), 1.0) for a, b in zip(base_lrs, self._configured_lrs)):
             logger.warning("verl_lrstab: resuming with the checkpoint's initial LR %s; the configured "
@@ -100,4 +111,5 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         self.last_epoch = int(state_dict["last_epoch"])
         self._step_count = int(state_dict["_step_count"])
         self._last_lr = list(state_dict["_last_lr"])
-        self.schedule.load_state_dict(state_dict["schedule"])
+        self._restore_schedule({"schedule": state_dict["schedule"], "options": state_dict.get("options")},
+                               self.last_epoch)

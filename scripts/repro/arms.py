@@ -44,6 +44,7 @@ BASE = [
     # and table used (`ratio`, verl-lrstab's default before detector v2, with its default windows):
     # cpu_demo.yaml shortens them for its 40-step demo, so they are set back here. (Windows scaled
     # down to skip 5 / horizon 20 / baseline 5 missed the gradual rise of pilot 3 until step 144.)
+    *[f"~actor_rollout_ref.actor.optim.length_surge.{k}" for k in ("cusum_span", "cusum_lag", "cusum_runaway_rise")],
     f"{LS}.period_factor=1.8",
     f"{LS}.origin=start",
     f"{LS}.detector=ratio",

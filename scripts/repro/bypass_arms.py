@@ -23,7 +23,7 @@ from __future__ import annotations
 from repro.arms import run_overrides
 
 LS = "++actor_rollout_ref.actor.optim.length_surge"
-SURGE_KEYS_OF_CPU_DEMO = ("skip_first_steps", "fast_window", "horizon", "baseline_window", "ratio_threshold", "patience")
+SURGE_KEYS_OF_CPU_DEMO = ("skip_first_steps", "cusum_span", "cusum_lag", "cusum_runaway_rise")
 
 DEFAULT_LR = 5e-4
 DEFAULT_SAMPLER = "bf16"

@@ -1,5 +1,6 @@
 """End-to-end: verl 0.9.1's real ``main_ppo`` (GRPO, FSDP2 on gloo, Ray, agent loop, reward loop)
-on CPU with ``lr_scheduler_type=length_surge``, read back from verl's own file-logger JSONL.
+on CPU with ``lr_scheduler_type=length_surge`` and the default detector (``cusum``), read back from
+verl's own file-logger JSONL.
 
 The CPU stand-ins are the ``cpu`` platform and the ``transformers`` rollout (verl_lrstab.cpu);
 everything else is verl's code. The reward ``longer_is_better`` provokes a real length surge.
@@ -8,6 +9,7 @@ Runs are shared between tests (``main_ppo`` fixture); the V1 surge/resume forms 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -22,8 +24,10 @@ from verl_lrstab.scheduler import LengthSurgeLR
 
 pytestmark = pytest.mark.e2e
 
-N_STEPS = 16  # the surge comes at ~step 11 with these settings; two decays fit before 16
-RESUME_AT = 12  # after the surge: the resumed run must restore a fired detector
+# The default detector (cusum, configs/cpu_demo.yaml's CPU windows) fired at step 14 (V0) and 15 (V1)
+# with these settings (measured); two decays fit before 20.
+N_STEPS = 20
+RESUME_AT = 16  # after the surge: the resumed run must restore a fired detector
 LR0 = 5e-4
 PERIOD_FACTOR = 0.3
 SURGE = [
@@ -138,7 +142,8 @@ def test_provoked_surge_decays_lr(main_ppo, trainer):
         assert series(run.metrics, "actor/lrstab/lr_scale")[t] == pytest.approx(lr[t] / LR0, rel=1e-9)
 
     # The offline replay (`lrstab replay`) runs the same detector on the logged lengths.
-    offline = replay(steps, [length[t] for t in steps], length_surge_options())
+    scores = series(run.metrics, "critic/score/mean")  # cusum's co-signal, as the glue fed it
+    offline = replay(steps, [length[t] for t in steps], length_surge_options(), score=[scores[t] for t in steps])
     assert offline.surge_step == s
 
 
@@ -233,7 +238,7 @@ def test_resume_matches_uninterrupted_run(main_ppo, trainer):
 
 
 # -- 5. without length_surge the installed package changes nothing ---------------------------------
-def test_other_schedulers_match_stock_verl(main_ppo, tmp_path_factory):
+def test_other_schedulers_match_stock_verl(main_ppo, tmp_path_factory, sitecustomize):
     """cosine + warmup, with the verl-lrstab plugin loaded vs disabled (VERL_USE_EXTERNAL_PLUGINS=none)."""
     overrides = TRAINER["v0"] + [
         "trainer.total_training_steps=4",
@@ -241,13 +246,15 @@ def test_other_schedulers_match_stock_verl(main_ppo, tmp_path_factory):
         "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
         "~actor_rollout_ref.actor.optim.length_surge",
     ]
-    # every process that loads the plugin leaves a marker file (verl_plugin._mark_process)
-    markers = {name: Path(tmp_path_factory.mktemp(f"markers-{name}")) for name in ("plugin", "stock")}
-    with_plugin = main_ppo("cosine-plugin", overrides, env={"LRSTAB_PLUGIN_MARKER_DIR": str(markers["plugin"])})
-    stock = main_ppo("cosine-stock", overrides, env={"VERL_USE_EXTERNAL_PLUGINS": "none",
-                                                     "LRSTAB_PLUGIN_MARKER_DIR": str(markers["stock"])})
-    assert len(list(markers["plugin"].iterdir())) >= 2, "driver, TaskRunner and workers load the plugin"
-    assert not list(markers["stock"].iterdir()), [p.read_text() for p in markers["stock"].iterdir()]
+    # every process that installs the glue leaves a record (the sitecustomize fixture, test code only)
+    probes = {name: Path(tmp_path_factory.mktemp(f"probes-{name}")) for name in ("plugin", "stock")}
+    with_plugin = main_ppo("cosine-plugin", overrides, env=sitecustomize(probes=probes["plugin"]))
+    stock = main_ppo("cosine-stock", overrides, env={**sitecustomize(probes=probes["stock"]),
+                                                     "VERL_USE_EXTERNAL_PLUGINS": "none"})
+    records = [json.loads(p.read_text()) for p in probes["plugin"].iterdir()]
+    assert any(not r["ray"] for r in records), "the driver installs the glue"
+    assert sum(r["ray"] for r in records) >= 2, f"the TaskRunner and the workers install the glue: {records}"
+    assert not list(probes["stock"].iterdir()), [p.read_text() for p in probes["stock"].iterdir()]
     assert sorted(with_plugin.metrics) == sorted(stock.metrics) == [1, 2, 3, 4]
     lrs = [stock.metrics[s]["actor/lr"] for s in range(1, 5)]
     assert len(set(lrs)) > 2, f"the LR should move under cosine + warmup: {lrs}"

@@ -1,7 +1,7 @@
 """Issue 11 §3: verl's real main_ppo on CPU with 2 FSDP ranks: every rank logs the same LR every step.
 
-Each rank's glue appends its LR and a hash of its scheduler state after every update to
-``$LRSTAB_PLUGIN_MARKER_DIR`` (``verl_plugin._probe_rank``); the two ranks' records must agree
+Each rank appends its LR and a hash of its scheduler state after every scheduler step (the
+``sitecustomize`` fixture's ``rank_probes``, test code only); the two ranks' records must agree
 step for step, and with the ``actor/lr`` verl logged. Two FSDP workers fit the 2 cores: the run
 took 56 s (``pytest -m "" tests/e2e/test_multi_rank_e2e.py``), so it is in ``make test``.
 """
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 STEPS = 4
 
 
-def test_two_fsdp_ranks_log_the_same_lr_every_step(main_ppo, tmp_path_factory):
+def test_two_fsdp_ranks_log_the_same_lr_every_step(main_ppo, tmp_path_factory, sitecustomize):
     probes = tmp_path_factory.mktemp("rank-probes")
     run = main_ppo("dp2", SURGE + TRAINER["v0"] + [
         f"trainer.total_training_steps={STEPS}",
@@ -31,7 +31,7 @@ def test_two_fsdp_ranks_log_the_same_lr_every_step(main_ppo, tmp_path_factory):
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.rollout.dtype=bfloat16",  # a mismatch too, so both figures are all-reduced
         "actor_rollout_ref.actor.optim.length_surge.trigger=either",
-    ], env={"LRSTAB_PLUGIN_MARKER_DIR": str(probes)})
+    ], env=sitecustomize(rank_probes=probes))
     by_rank = {}
     for path in sorted(probes.glob("lr_rank*.jsonl")):
         records = [json.loads(line) for line in path.read_text().splitlines()]

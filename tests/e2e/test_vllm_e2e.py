@@ -36,10 +36,14 @@ LR0 = 5e-4
 PERIOD_FACTOR = 0.3
 N_STEPS = 16
 RESUME_AT = 12  # after the surge (step ~10): the resumed run must restore a fired detector
-SURGE = [  # reward pays length (configs/cpu_demo.yaml); a low ratio threshold fires at step ~10
+LS = "actor_rollout_ref.actor.optim.length_surge"
+SURGE = [  # reward pays length (configs/cpu_demo.yaml); the ratio detector with a low threshold fires at step ~10
     f"actor_rollout_ref.actor.optim.lr={LR0}",
-    f"actor_rollout_ref.actor.optim.length_surge.period_factor={PERIOD_FACTOR}",
-    "actor_rollout_ref.actor.optim.length_surge.ratio_threshold=1.3",
+    f"{LS}.period_factor={PERIOD_FACTOR}",
+    # this test's surge was tuned on the ratio detector (the default, cusum, is tested in test_main_ppo_cpu.py)
+    *[f"~{LS}.{key}" for key in ("cusum_span", "cusum_lag", "cusum_runaway_rise")],
+    f"+{LS}.detector=ratio", f"+{LS}.fast_window=3", f"+{LS}.horizon=8", f"+{LS}.baseline_window=3",
+    f"+{LS}.ratio_threshold=1.3", f"+{LS}.patience=2",
 ]
 TRAINER = {"v0": ["trainer.use_v1=false"], "v1": ["trainer.use_v1=true"]}
 FP32 = ["actor_rollout_ref.rollout.dtype=float32"]

@@ -1,0 +1,17 @@
+"""The only code that knows verl's internals (verl 0.9.x), a module a concern.
+
+- :mod:`.imports`: run a hook right after a module is imported, never breaking the import.
+- :mod:`.failsafe`: what a failure of the glue does (report loudly, refuse ``length_surge``).
+- :mod:`.wraps`: how one verl attribute is replaced, checked and dispatched.
+- :mod:`.registry`: the list of targets, their installation, what a ``length_surge`` run requires.
+- :mod:`.configs`: verl's optimizer configs accepting ``length_surge`` (FSDP, Megatron).
+- :mod:`.engine`: the engines build our scheduler.
+- :mod:`.worker`: the actor update feeds the scheduler once per trainer step.
+- :mod:`.bypass`: the same in verl's bypass mode.
+- :mod:`.driver`: the trainer-side checks and tags (V0, V1), pre-rejection mismatch.
+- :mod:`.signals`: length, score and mismatch over the global batch.
+- :mod:`.refusals`: where ``length_surge`` is refused by name.
+
+Importing this package does nothing; the ``verl.plugins`` entry point (``verl_lrstab._entry``)
+installs the glue.
+"""

@@ -1,0 +1,154 @@
+"""Trainer-side glue (verl's driver / TaskRunner process): the run's checks, the step tag, pre-rejection mismatch.
+
+- ``RayPPOTrainer.__init__`` (V0) and ``PPOTrainer.__init__`` (V1): a ``length_surge`` run is
+  checked as a whole before it trains (:func:`check_run`): every wrap it needs installed in
+  this process, and the options that need more than the optimizer config (rollout log-probs
+  for the mismatch trigger, not in an async trainer mode).
+- ``_update_actor`` (V0, V1): tags the actor batch with its position in the trainer step
+  (:data:`~verl_lrstab.glue.worker.STEP_POSITION_KEY`); the worker refuses an untagged batch.
+- ``compute_rollout_correction_and_add_to_batch``: with rejection sampling (``rollout_rs``) it
+  overwrites ``response_mask``; for a ``length_surge`` run the mismatch sums are taken over the
+  mask before that and handed to the worker with the batch.
+
+Runs that do not name ``length_surge`` go straight to verl's functions (:func:`~.wraps.dispatch`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from verl_lrstab.glue.configs import length_surge_options
+from verl_lrstab.glue.failsafe import SCHEDULER_NAME
+from verl_lrstab.glue.wraps import argument, dispatch, source_contains
+from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError
+
+ASYNC_MODES = ("colocate_async", "separate_async")
+
+_run = threading.local()  # per thread: verl's trainer runs in one thread of its process
+_length_surge_runs = 0  # trainers built in this process that name length_surge
+
+
+def names_length_surge(config) -> bool:
+    """Whether a verl trainer config names ``length_surge`` for the actor (FSDP or Megatron key)."""
+    optim = config.actor_rollout_ref.actor.optim
+    return SCHEDULER_NAME in (optim.get("lr_scheduler_type"), optim.get("lr_decay_style"))
+
+
+def trainer_mode(config) -> str:
+    """``sync`` for V0, else V1's ``trainer.v1.trainer_mode``."""
+    trainer = config.trainer
+    if not trainer.get("use_v1", True):
+        return "sync"
+    return (trainer.get("v1") or {}).get("trainer_mode", "sync") or "sync"
+
+
+def check_run(config, require) -> None:
+    """Refuse, before training, a ``length_surge`` run the glue cannot serve in this process.
+
+    ``require(engine)``: the registry's check that every wrap the run needs is installed here.
+    """
+    global _length_surge_runs
+    actor = config.actor_rollout_ref.actor
+    require("megatron" if actor.get("strategy") == "megatron" else "fsdp")
+    options = length_surge_options(actor.optim.get("length_surge"))
+    key = "actor_rollout_ref.actor.optim.length_surge.trigger"
+    if options.trigger != "length":
+        if not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
+            raise GlueError(f"{key}={options.trigger!r} needs the rollout engine's log-probs: set "
+                            "actor_rollout_ref.rollout.calculate_log_probs=true (or trigger: length)")
+        mode = trainer_mode(config)
+        if mode in ASYNC_MODES:
+            raise GlueError(f"{key}={options.trigger!r} is not supported with trainer.v1.trainer_mode={mode!r}: "
+                            "there the rollout samples with older weights than the trainer scores with, so the "
+                            "mismatch figures mix engine mismatch with policy staleness and the trigger would "
+                            "react to staleness. Allowed: trigger: length (the mismatch/* figures are still "
+                            "logged), or trainer_mode: sync")
+    _length_surge_runs += 1
+
+
+def make_trainer_init(original_fn, require):
+    def check_then_init(original, *args, **kwargs):
+        check_run(argument(args, kwargs, 1, "config"), require)
+        return original(*args, **kwargs)
+
+    return dispatch(original_fn, lambda self, *a, **k: names_length_surge(argument((self,) + a, k, 1, "config")),
+                    check_then_init)
+
+
+def make_v1_update_actor(original_fn):
+    def tag_then_update(original, self, *args, **kwargs):
+        batch = argument((self,) + args, kwargs, 1, "batch")
+        count = int(getattr(self, "parameter_sync_step", 1) or 1)
+        tag = [int(getattr(self, "local_trigger_step", 0) or 0), count, int(trainer_mode(self.config) in ASYNC_MODES)]
+        batch.extra_info[STEP_POSITION_KEY] = tag
+        stats = _pop_pre_rs_stats()
+        if stats is not None:
+            batch.extra_info[PRE_RS_STATS_KEY] = stats
+        return original(self, *args, **kwargs)
+
+    return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
+
+
+def v1_trainer_checks(module, fn):
+    trainer = module.PPOTrainer
+    yield "V1 PPOTrainer.step runs parameter_sync_step updates, local_trigger_step = index", *source_contains(
+        trainer.step, "for trigger_idx in range(self.parameter_sync_step)", "self.local_trigger_step = trigger_idx")
+    yield "V1 PPOTrainer._update_actor sends batch.extra_info to update_actor", *source_contains(
+        fn, "batch.extra_info.update", "update_actor(batch)")
+    yield "V1 PPOTrainer.__init__ keeps the config as self.config", *source_contains(
+        trainer.__init__, "self.config = config")
+
+
+def make_v0_update_actor(original_fn):
+    def tag_then_update(original, self, *args, **kwargs):
+        batch = argument((self,) + args, kwargs, 1, "batch")
+        batch.meta_info[STEP_POSITION_KEY] = [0, 1, 0]
+        stats = _pop_pre_rs_stats()
+        if stats is not None:
+            batch.meta_info[PRE_RS_STATS_KEY] = stats
+        return original(self, *args, **kwargs)
+
+    return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
+
+
+def v0_trainer_checks(module, fn):
+    yield "V0 RayPPOTrainer._update_actor sends the whole batch with attention_mask (the length's source)", \
+        *source_contains(fn, "batch_td = batch.to_tensordict()", "left_right_2_no_padding(batch_td)")
+    yield "V0 RayPPOTrainer.__init__ keeps the config as self.config", *source_contains(
+        module.RayPPOTrainer.__init__, "self.config = config")
+
+
+def make_rollout_correction(original_fn):
+    def stash_then_correct(original, batch, *args, **kwargs):
+        _stash_pre_rs_stats(batch)
+        return original(batch, *args, **kwargs)
+
+    return dispatch(original_fn, _rejects_in_length_surge_run, stash_then_correct)
+
+
+def _rejects_in_length_surge_run(batch, rollout_corr_config, *args, **kwargs) -> bool:
+    """Only rejection sampling changes the mask; only a length_surge run needs the figures."""
+    return _length_surge_runs > 0 and rollout_corr_config.get("rollout_rs", None) is not None
+
+
+def rollout_correction_checks(module, fn):
+    yield "compute_rollout_correction_and_add_to_batch overwrites batch response_mask", *source_contains(
+        fn, 'batch.batch["response_mask"] = modified_response_mask')
+    yield "compute_rollout_correction_and_add_to_batch reads rollout_rs from the config", *source_contains(
+        fn, 'rollout_corr_config.get("rollout_rs"')
+
+
+def _stash_pre_rs_stats(batch) -> None:
+    """The mismatch stats of the whole batch over ``response_mask`` before rejection sampling."""
+    from verl_lrstab import mismatch
+
+    tensors = batch.batch
+    _run.pre_rs = None
+    if "rollout_log_probs" in tensors.keys() and "old_log_probs" in tensors.keys():
+        stats = mismatch.compute_stats(tensors["old_log_probs"], tensors["rollout_log_probs"], tensors["response_mask"])
+        _run.pre_rs = None if stats is None else stats.cpu().tolist()
+
+
+def _pop_pre_rs_stats():
+    stats, _run.pre_rs = getattr(_run, "pre_rs", None), None
+    return stats

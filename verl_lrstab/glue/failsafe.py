@@ -1,0 +1,103 @@
+"""What happens when the glue cannot work in a process (stdlib only).
+
+Every failure of the glue, a verl target that cannot be wrapped or a module of the package
+that does not import, goes through :func:`report_failure`: one ERROR naming verl's version,
+the target and the cause; verl's own code stays in place, so runs that do not name
+``length_surge`` are unaffected; and a run that names ``length_surge`` is refused from then
+on (:func:`check_usable`, called by the glue wherever such a run is configured or built).
+
+Where even the glue's config classes are not in place (the glue itself failed to load), a
+guard on verl's own optimizer-config dataclasses refuses ``length_surge`` with the cause
+(:func:`arm_guard`). This module imports nothing of the package, so it works whatever else
+of it is broken.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from verl_lrstab.glue.imports import when_imported
+
+logger = logging.getLogger("verl_lrstab")
+
+SCHEDULER_NAME = "length_surge"  # verl_lrstab.config.SCHEDULER_NAME (not imported: it may be the broken one)
+OPTIM_KEY = "actor_rollout_ref.actor.optim.lr_scheduler_type"
+
+#: ``(target, cause)`` of every failure of the glue in this process.
+FAILURES: list = []
+_guard_armed = False
+
+
+def verl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("verl")
+    except Exception:  # noqa: BLE001
+        return "(unknown version)"
+
+
+def report_failure(target: str, cause: BaseException) -> None:
+    """Record a failure of the glue: one loud ERROR, and ``length_surge`` refused in this process from now on."""
+    FAILURES.append((target, cause))
+    logger.error("verl-lrstab: cannot use %s with verl %s: %r. verl's own code stays in place, so runs that do not "
+                 "name length_surge are unaffected; a run with %s=%s is refused before it trains.",
+                 target, verl_version(), cause, OPTIM_KEY, SCHEDULER_NAME)
+    arm_guard()
+
+
+def failure_message() -> str:
+    causes = "; ".join(f"{target}: {cause!r}" for target, cause in FAILURES)
+    return (f"{OPTIM_KEY}={SCHEDULER_NAME} cannot be used: the verl-lrstab plugin failed to load or to wrap "
+            f"verl {verl_version()} in this process ({causes}). Runs with lr_scheduler_type constant or cosine "
+            "are unaffected. verl-lrstab supports verl 0.9.x; `python patches/check_verl.py` lists what no "
+            "longer matches.")
+
+
+class GlueUnavailable(RuntimeError):
+    """``length_surge`` named in a process where the glue failed (the message names the target and the cause)."""
+
+
+def check_usable() -> None:
+    """Raise :class:`GlueUnavailable` with the recorded causes if the glue failed in this process."""
+    if FAILURES:
+        raise GlueUnavailable(failure_message()) from FAILURES[0][1]
+
+
+def arm_guard() -> None:
+    """Make every verl optimizer config that names ``length_surge`` raise :func:`failure_message`.
+
+    Needed only where the glue's own config classes are not in place; where they are, they
+    call :func:`check_usable` themselves (the guard then checks once more, harmlessly).
+    """
+    global _guard_armed
+    if _guard_armed:
+        return
+    _guard_armed = True
+    when_imported("verl.workers.config.optimizer", _guard_module, on_error=_guard_failed)
+    when_imported("verl.workers.config", _guard_module, on_error=_guard_failed)
+
+
+def _guard_module(module) -> None:
+    """Wrap ``__post_init__`` of the module's dataclasses with an ``lr_scheduler_type`` (or Megatron's
+    ``lr_decay_style``) field; found by field, not by name, so a renamed class is guarded too."""
+    for cls in list(vars(module).values()):
+        fields = getattr(cls, "__dataclass_fields__", None)
+        if not isinstance(cls, type) or not fields or not {"lr_scheduler_type", "lr_decay_style"} & set(fields):
+            continue
+        original = cls.__dict__.get("__post_init__")
+        if original is None or getattr(original, "_lrstab_guard", False):
+            continue
+
+        def __post_init__(self, _original=original):
+            if SCHEDULER_NAME in (getattr(self, "lr_scheduler_type", None), getattr(self, "warmup_style", None),
+                                  getattr(self, "lr_decay_style", None)):
+                check_usable()
+            _original(self)
+
+        __post_init__._lrstab_guard = True
+        cls.__post_init__ = __post_init__
+
+
+def _guard_failed(name: str, exc: BaseException) -> None:
+    logger.error("verl-lrstab: could not guard %s against lr_scheduler_type=length_surge: %r", name, exc)

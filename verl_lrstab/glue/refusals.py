@@ -1,0 +1,91 @@
+"""Engines, roles and trainers where ``length_surge`` would never be fed: refused by name.
+
+Each refusal wraps the function where verl first sees the config there and raises
+:class:`LengthSurgeNotSupported` naming the key, the place and what is supported; any other
+value goes to verl's function untouched. A refusal that cannot be installed is reported like
+any wrap, but does not block the supported paths (its :class:`~.wraps.Wrap` is not required).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from verl_lrstab.glue.failsafe import SCHEDULER_NAME
+from verl_lrstab.glue.wraps import Wrap, dispatch
+
+SUPPORTED = ("the actor (actor_rollout_ref.actor.optim) of the FSDP engine (strategy fsdp/fsdp2) and of the "
+             "Megatron engine (strategy megatron, lr_decay_style) in verl's main_ppo, V0 and V1 (sync, "
+             "colocate_async, separate_async)")
+
+
+class LengthSurgeNotSupported(ValueError):
+    """``length_surge`` named where it would have no effect."""
+
+
+def refuse(key: str, where: str) -> LengthSurgeNotSupported:
+    return LengthSurgeNotSupported(f"{key}={SCHEDULER_NAME} is not supported for {where}: it would never be fed "
+                                   f"and do nothing. Supported: {SUPPORTED}; elsewhere use constant or cosine.")
+
+
+def refusal(key: str, where: str, get: Callable) -> Callable:
+    """A wrap factory: ``get(*args, **kwargs)`` reads the scheduler name from verl's arguments."""
+
+    def make(original_fn):
+        def raise_refusal(original, *args, **kwargs):
+            raise refuse(key, where)
+
+        def named(*args, **kwargs) -> bool:
+            try:
+                return get(*args, **kwargs) == SCHEDULER_NAME
+            except Exception:  # noqa: BLE001 - the key is absent there: nothing to refuse
+                return False
+
+        return dispatch(original_fn, named, raise_refusal)
+
+    return make
+
+
+def _self_field(self, *args, **kwargs):
+    return getattr(self, "lr_scheduler_type", None)
+
+
+def _kwarg(self, *args, **kwargs):
+    return kwargs.get("lr_scheduler_type")
+
+
+def _critic(self, *args, **kwargs):
+    optim = getattr(self, "optim", None)
+    return optim.get("lr_scheduler_type") if hasattr(optim, "get") else getattr(optim, "lr_scheduler_type", None)
+
+
+def _config_optim(self, *args, **kwargs):
+    config = args[0] if args else kwargs.get("config", getattr(self, "config", None))
+    return config.optim.get("lr_scheduler_type") if config is not None else None
+
+
+def _config_actor_optim(self, *args, **kwargs):
+    config = args[0] if args else kwargs.get("config")
+    return config.actor_rollout_ref.actor.optim.get("lr_scheduler_type")
+
+
+ACTOR_KEY = "actor_rollout_ref.actor.optim.lr_scheduler_type"
+
+WRAPS = [
+    Wrap("verl.workers.config.optimizer", "VeOmniOptimizerConfig", "__post_init__", ("self",),
+         refusal(ACTOR_KEY, "the VeOmni engine (VeOmniOptimizerConfig)", _self_field), required=False),
+    Wrap("verl.workers.config.optimizer", "TorchtitanOptimizerConfig", "__init__", ("self",),
+         refusal(ACTOR_KEY, "the TorchTitan engine (TorchtitanOptimizerConfig has no lr_scheduler_type)", _kwarg),
+         required=False),
+    Wrap("verl.workers.config.critic", "CriticConfig", "__post_init__", ("self",),
+         refusal("critic.optim.lr_scheduler_type", "the critic (role critic, any engine)", _critic), required=False),
+    Wrap("verl.trainer.sft_trainer", "SFTTrainer", "_build_config", ("self",),
+         refusal("optim.lr_scheduler_type", "the SFT trainer (verl.trainer.sft_trainer)", _config_optim),
+         required=False),
+    Wrap("verl.trainer.sft_trainer_ray", "SFTTrainer", "_build_config", ("self",),
+         refusal("optim.lr_scheduler_type", "the SFT trainer (verl.trainer.sft_trainer_ray)", _config_optim),
+         required=False),
+    Wrap("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer.__ray_actor_class__",
+         "__init__", ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
+         refusal(ACTOR_KEY, "the fully-async trainer (verl.experimental.fully_async_policy)", _config_actor_optim),
+         required=False),
+]

@@ -1,0 +1,111 @@
+"""The verl targets the glue wraps (one list), their installation, and what a ``length_surge`` run requires.
+
+``patches/README.md`` gives the reason for each target; ``patches/check_verl.py`` prints the
+checks of each against the installed verl. To wrap another target, append a :class:`~.wraps.Wrap`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+
+from verl_lrstab.glue import configs, driver, engine, refusals, worker
+from verl_lrstab.glue.failsafe import FAILURES, check_usable, report_failure
+from verl_lrstab.glue.imports import when_imported
+from verl_lrstab.glue.wraps import Wrap, apply, original, owner_of
+
+WRAPS: list = [
+    Wrap("verl.workers.config", None, "FSDPOptimizerConfig", None,
+         lambda verl_cls: configs.make_config("LengthSurgeOptimizerConfig", verl_cls, require), configs.fsdp_config_checks,
+         also_in=("verl.workers.config.optimizer",)),
+    Wrap("verl.workers.config", None, "McoreOptimizerConfig", None,
+         lambda verl_cls: configs.make_config("LengthSurgeMcoreOptimizerConfig", verl_cls, require),
+         configs.mcore_config_checks,
+         also_in=("verl.workers.config.optimizer",)),
+    Wrap("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine", "_build_lr_scheduler", ("self", "optimizer"),
+         engine.make_fsdp_build, engine.fsdp_engine_checks),
+    Wrap("verl.workers.engine.megatron.transformer_impl", "MegatronEngine", "_build_lr_scheduler", ("self",),
+         engine.make_megatron_build, engine.megatron_engine_checks),
+    Wrap("verl.workers.engine_workers", "TrainingWorker", "train_mini_batch", ("self", "data"),
+         worker.make_train_mini_batch, worker.worker_checks),
+    Wrap("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "__init__", ("self", "config"),
+         lambda verl_fn: driver.make_trainer_init(verl_fn, require)),
+    Wrap("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_update_actor", ("self", "batch", "metrics"),
+         driver.make_v1_update_actor, driver.v1_trainer_checks),
+    Wrap("verl.trainer.ppo.ray_trainer", "RayPPOTrainer", "__init__",
+         ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
+         lambda verl_fn: driver.make_trainer_init(verl_fn, require)),
+    Wrap("verl.trainer.ppo.ray_trainer", "RayPPOTrainer", "_update_actor", ("self", "batch"),
+         driver.make_v0_update_actor, driver.v0_trainer_checks),
+    Wrap("verl.trainer.ppo.rollout_corr_helper", None, "compute_rollout_correction_and_add_to_batch",
+         ("batch", "rollout_corr_config"), driver.make_rollout_correction, driver.rollout_correction_checks,
+         also_in=("verl.trainer.ppo.v1.trainer_base",)),
+    *refusals.WRAPS,
+]
+
+#: The modules whose wraps a ``length_surge`` run needs, by engine (besides the config module).
+REQUIRED_MODULES = {
+    "common": ("verl.workers.config", "verl.workers.engine_workers", "verl.trainer.ppo.rollout_corr_helper",
+               "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"),
+    "fsdp": ("verl.workers.engine.fsdp.transformer_impl",),
+    "megatron": ("verl.workers.engine.megatron.transformer_impl",),
+}
+
+_lock = threading.Lock()
+_installed = False
+
+
+def install() -> None:
+    """Install every wrap now if its module is loaded, else the moment it is imported (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+    by_module: dict = {}
+    for wrap in WRAPS:
+        by_module.setdefault(wrap.module, []).append(wrap)
+    for name, wraps in by_module.items():
+        when_imported(name, functools.partial(_apply_all, wraps), on_error=report_failure)
+
+
+def _apply_all(wraps: list, module) -> None:
+    for wrap in wraps:
+        apply(wrap, module)
+
+
+def require(engine_name: str) -> None:
+    """Refuse (:class:`~.failsafe.GlueUnavailable`) a ``length_surge`` run the glue cannot serve in this process.
+
+    Imports the modules of every wrap the run needs, driver-side ones included, so that a
+    wrap that cannot be installed fails the run wherever its config is first built (the
+    driver validates the actor config before the trainer's modules are imported; the
+    workers never import them otherwise). A module whose non-verl dependency is absent is
+    skipped: verl cannot run that path here either.
+    """
+    install()
+    for name in REQUIRED_MODULES["common"] + REQUIRED_MODULES[engine_name]:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and not exc.name.split(".")[0] == "verl":
+                continue
+            report_failure(name, exc)
+            continue
+        except Exception as exc:  # noqa: BLE001 - verl's module itself fails: reported, then refused below
+            report_failure(name, exc)
+            continue
+        failed = {target for target, _ in FAILURES}
+        for wrap in WRAPS:
+            if wrap.module == name and wrap.required and wrap.target not in failed and not _is_wrapped(wrap, module):
+                apply(wrap, module)  # not yet (a hook that never ran): installs it or reports why not
+    check_usable()
+
+
+def _is_wrapped(wrap: Wrap, module) -> bool:
+    try:
+        current = getattr(owner_of(wrap, module), wrap.attribute)
+    except AttributeError:
+        return False
+    return original(current) is not current or getattr(current, "__module__", "").startswith("verl_lrstab")

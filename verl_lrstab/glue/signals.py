@@ -1,0 +1,187 @@
+"""The figures the worker feeds the scheduler, measured as verl logs them, over the global batch.
+
+Length, score and mismatch statistics of one actor update, summed over the data-parallel
+group with one convention for a rank that cannot measure (:func:`verl_lrstab.mismatch.all_reduce_or_none`:
+if one rank cannot, no rank gets a figure, so every rank takes the same decision).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+
+from verl_lrstab import mismatch
+from verl_lrstab.glue.wraps import Check, VerlShapeError
+
+logger = logging.getLogger("verl_lrstab")
+
+
+def response_lengths(data):
+    """Per-sample response token counts, as verl's ``response_length/*`` metrics count them.
+
+    V1 sends ``responses`` as a jagged tensor (verl logs ``responses.offsets().diff()`` over the
+    samples that are not synthetic padding); V0 sends left/right-padded ``attention_mask`` (verl
+    logs ``attention_mask[:, -R:].sum(-1)`` with R the padded response width).
+    """
+    responses = data.get("responses", None) if hasattr(data, "get") else None
+    if responses is not None and getattr(responses, "is_nested", False):
+        return _drop_v1_padding(responses.offsets().diff(), data.get("response_mask", None))
+    attention_mask, response_mask = data.get("attention_mask", None), data.get("response_mask", None)
+    if attention_mask is not None and response_mask is not None and not attention_mask.is_nested:
+        width = response_mask.shape[-1]
+        return attention_mask[:, -width:].sum(-1)
+    raise KeyError("verl_lrstab: the actor batch has neither jagged 'responses' (V1) nor 'attention_mask' with "
+                   "'response_mask' (V0), so the response length cannot be measured as verl logs it "
+                   f"(response_mask alone would leave out tool tokens); keys: {list(data.keys())}")
+
+
+def sequence_scores(data):
+    """Per-sample scores, the reward summed over the response (verl's ``critic/score/*`` then leave
+    out the aborted, empty responses: :func:`global_score_stats` does too).
+
+    V0 sends ``token_level_scores`` (padded, zeros past the response); V1 sends ``rm_scores``
+    (jagged, one value per response token), whose synthetic padding samples are left out as
+    for the length. None when the batch carries neither (the detector then runs on the length).
+    """
+    scores = data.get("token_level_scores", None)
+    if scores is not None and not scores.is_nested:
+        return scores.sum(-1)
+    scores = data.get("rm_scores", None)
+    if scores is None:
+        return None
+    if scores.is_nested:
+        offsets = scores.offsets()
+        cumsum = torch.cat([offsets.new_zeros(1, dtype=torch.float64), scores.values().double().cumsum(0)])
+        totals = cumsum[offsets[1:]] - cumsum[offsets[:-1]]
+        responses = data.get("responses", None)
+        if responses is not None and getattr(responses, "is_nested", False):
+            keep = _v1_real_samples(responses.offsets().diff(), data.get("response_mask", None))
+            if keep is not None and keep.numel() == totals.numel():
+                totals = totals[keep]
+        return totals
+    return scores.sum(-1)
+
+
+def _v1_real_samples(lengths, response_mask):
+    """Boolean mask of the samples that are not V1's synthetic padding (None if it cannot tell)."""
+    if response_mask is None or not response_mask.is_nested or response_mask.size(0) != lengths.numel():
+        return None
+    offsets = response_mask.offsets()
+    cumsum = torch.cat([offsets.new_zeros(1), response_mask.values().to(offsets.dtype).cumsum(0)])
+    masked = cumsum[offsets[1:]] - cumsum[offsets[:-1]]
+    return ~((lengths == 1) & (masked == 0))
+
+
+def _drop_v1_padding(lengths, response_mask):
+    """Leave out V1's synthetic padding samples, as verl's metrics do (they skip ``is_padding`` tags).
+
+    The tags do not reach the worker; a padding sample is recognisable by its one response
+    token with a zero response mask (``padding_utils.construct_minimal_padding_template``,
+    checked by :func:`assumption_checks`), which no real sample has (its first response token
+    is always generated, mask 1).
+    """
+    keep = _v1_real_samples(lengths, response_mask)
+    return lengths if keep is None else lengths[keep]
+
+
+def assumption_checks() -> Iterable[Check]:
+    """Behaviour of verl the figures rely on, beyond the wrapped targets (run by check_verl.py and on first use)."""
+    from verl.trainer.ppo.padding_utils import construct_minimal_padding_template
+
+    sample = {"responses": torch.tensor([5, 6, 7]), "prompts": torch.tensor([1, 2]),
+              "input_ids": torch.tensor([1, 2, 5, 6, 7]), "attention_mask": torch.ones(5, dtype=torch.int64),
+              "position_ids": torch.arange(5), "response_mask": torch.ones(3, dtype=torch.int64)}
+    try:
+        pad, tag = construct_minimal_padding_template(sample, {}, eos_token_id=2)
+        ok = (tag.get("is_padding") and pad["responses"].numel() == 1 and int(pad["response_mask"].sum()) == 0)
+        detail = "" if ok else f"template responses {pad['responses'].tolist()}, mask {pad['response_mask'].tolist()}"
+    except Exception as exc:  # noqa: BLE001
+        ok, detail = False, repr(exc)
+    yield "V1 padding samples have one response token with mask 0 (construct_minimal_padding_template)", ok, detail
+
+
+_assumptions_checked = False
+
+
+def check_assumptions_once() -> None:
+    """Raise :class:`VerlShapeError` if verl no longer behaves as the figures assume (once per process)."""
+    global _assumptions_checked
+    if _assumptions_checked:
+        return
+    failed = [f"{name} ({detail})" for name, ok, detail in assumption_checks() if not ok]
+    if failed:
+        raise VerlShapeError("verl_lrstab: verl no longer behaves as the length_surge figures assume: "
+                             + "; ".join(failed))
+    _assumptions_checked = True
+
+
+def global_length_stats(data, dp_group=None) -> Optional[list]:
+    """``[sum, count]`` of the response lengths over the global batch, or None when a rank cannot measure.
+
+    An empty batch gives ``[0, 0]`` (the step is skipped, not counted as unmeasurable); a batch
+    without the keys the length comes from gives None on every rank (the worker counts those).
+    """
+    try:
+        lengths = response_lengths(data)
+        local = torch.stack([lengths.sum().double(), torch.tensor(float(lengths.numel()), dtype=torch.float64)])
+    except Exception as exc:  # noqa: BLE001 - never fail a training step for one unmeasurable batch
+        logger.warning("verl_lrstab: could not measure the response length (%s); the step is skipped", exc)
+        local = None
+    reduced = mismatch.all_reduce_or_none(local, 2, group=dp_group)
+    return None if reduced is None else reduced.tolist()
+
+
+_score_missing_warned = False
+
+
+def global_score_stats(data, dp_group=None) -> Optional[list]:
+    """``[sum, count]`` of the sequence scores over the global batch, or None (on every rank alike).
+
+    None when the batch carries no score (or a rank fails): the detector then runs on the
+    length alone this step (``detector: cusum`` loses its learning check).
+    """
+    global _score_missing_warned
+    try:
+        scores = sequence_scores(data)
+        if scores is None:
+            raise KeyError(f"neither 'token_level_scores' nor 'rm_scores' in the actor batch (keys: {list(data.keys())})")
+        lengths = response_lengths(data)
+        if lengths.numel() != scores.numel():
+            raise ValueError(f"{scores.numel()} scores for {lengths.numel()} responses")
+        scores = scores[lengths > 0].double()  # verl's critic/score/* leave out aborted (empty) responses
+        local = torch.stack([scores.sum(), torch.tensor(float(scores.numel()), dtype=torch.float64)])
+    except Exception as exc:  # noqa: BLE001 - never fail a training step for a co-signal
+        if not _score_missing_warned:
+            _score_missing_warned = True
+            logger.warning("verl_lrstab: no score for the surge detector (%s); it runs on the length alone", exc)
+        local = None
+    reduced = mismatch.all_reduce_or_none(local, 2, group=dp_group)
+    return None if reduced is None else reduced.tolist()
+
+
+def global_mismatch_stats(data, dp_group=None, pre_rejection_stats=None) -> Optional[torch.Tensor]:
+    """The global mismatch stats tensor (``mismatch.STAT_FIELDS``), or None on every rank alike.
+
+    ``pre_rejection_stats`` (measured by the driver over the whole batch before rejection
+    sampling overwrote ``response_mask``) wins over the worker's own measurement.
+    """
+    if pre_rejection_stats is not None:
+        return torch.tensor(list(pre_rejection_stats), dtype=torch.float64)
+    if "rollout_log_probs" not in data.keys() or "old_log_probs" not in data.keys():
+        mismatch.warn_once("missing")
+        return None
+    try:
+        stats = mismatch.compute_stats(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"])
+    except Exception as exc:  # noqa: BLE001 - never fail a training step for a metric
+        logger.warning("verl_lrstab: could not compute the mismatch figures (%s); none logged this step", exc)
+        stats = None
+    reduced = mismatch.all_reduce_or_none(stats, len(mismatch.STAT_FIELDS), n_max=1, group=dp_group)
+    if reduced is None:
+        mismatch.warn_once("missing")
+    return reduced
+
+
+def has_rollout_log_probs(data) -> bool:
+    return "rollout_log_probs" in data.keys()

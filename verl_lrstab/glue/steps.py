@@ -1,0 +1,149 @@
+"""One trainer step's figures: their sums over the step's actor updates, and the hand-off to the scheduler.
+
+Shared by the worker's update (:mod:`.worker`) and its bypass-mode branch (:mod:`.bypass`); the
+state is kept per scheduler on our own object (:class:`StepState`), never on verl's.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional
+
+from verl_lrstab import mismatch
+from verl_lrstab.schedule import FedSchedule
+
+#: Non-tensor keys the driver-side glue adds to the actor batch (popped here).
+STEP_POSITION_KEY = "lrstab_step_position"  # [index of the update in the trainer step, updates per step, async]
+PRE_RS_STATS_KEY = "lrstab_pre_rs_mismatch_stats"  # mismatch stats over the tokens before rejection sampling
+
+#: A length that cannot be measured (no key it comes from) on this many consecutive trainer
+#: steps fails the run: the detector would never see a step and the LR would stay constant.
+MAX_UNMEASURED_STEPS = 3
+
+
+class GlueError(RuntimeError):
+    """A ``length_surge`` run cannot go on as configured (the message says what to set)."""
+
+
+class StepState:
+    """What the glue keeps per scheduler between the updates of a run (on our object, not verl's)."""
+
+    def __init__(self, configured_warmup: Optional[int] = None):
+        self.configured_warmup = configured_warmup  # in actor updates, as verl resolved it
+        self.updates_per_step = 1
+        self.unmeasured_steps = 0
+        self.acc = StepAccumulator()
+
+
+_states: "weakref.WeakKeyDictionary[FedSchedule, StepState]" = weakref.WeakKeyDictionary()
+
+
+def state_of(scheduler: FedSchedule, configured_warmup: Optional[int] = None) -> StepState:
+    """The glue's state for ``scheduler`` (created on first use)."""
+    state = _states.get(scheduler)
+    if state is None:
+        state = _states[scheduler] = StepState(configured_warmup)
+    return state
+
+
+def feed(scheduler: FedSchedule, state: StepState, length: float) -> None:
+    """Hand one trainer step's length and score to the scheduler (verl's engine then steps it)."""
+    if state.acc.length_unmeasured:
+        state.unmeasured_steps += 1
+        if state.unmeasured_steps >= MAX_UNMEASURED_STEPS:
+            raise GlueError(f"verl_lrstab: the response length could not be measured on {state.unmeasured_steps} "
+                            "consecutive trainer steps (the actor batch lacks the keys it comes from, see the "
+                            "warnings above), so length_surge would train at a constant LR. verl-lrstab supports "
+                            "verl 0.9.x; `python patches/check_verl.py` lists what no longer matches.")
+    else:
+        state.unmeasured_steps = 0
+    scheduler.pending_response_length = length
+    scheduler.pending_score = state.acc.score_mean()
+
+
+def feed_mismatch(scheduler: FedSchedule, figures: Optional[dict], is_async: bool) -> None:
+    """Hand the step's mismatch figure to the scheduler (the trigger and cusum's KL co-signal).
+
+    In the async modes the rollout's log-probs come from older weights: the figures mix engine
+    mismatch with policy staleness, so they are logged but never reach the detector (README).
+    """
+    key = f"mismatch/{scheduler.config.mismatch_metric}"
+    scheduler.pending_mismatch_kl = None if (figures is None or is_async) else figures.get(key)
+
+
+def step_position(value) -> tuple:
+    """``(index, count, is_async)`` of the driver's tag; a missing tag is an error, never a guess."""
+    if value is None:
+        raise GlueError("verl_lrstab: the actor batch carries no trainer-step tag (lrstab_step_position): the "
+                        "driver-side glue (PPOTrainer._update_actor / RayPPOTrainer._update_actor) did not run in "
+                        "the trainer's process, so the scheduler cannot tell trainer steps apart. Check the "
+                        "ERROR logged there; verl-lrstab supports verl 0.9.x (`python patches/check_verl.py`).")
+    index, count, is_async = (int(v) for v in value)
+    if not 0 <= index < count:
+        raise ValueError(f"verl_lrstab: bad trainer-step position {list(value)!r}")
+    return index, count, bool(is_async)
+
+
+class StepAccumulator:
+    """Sums the global length, score and mismatch figures of the actor updates of one trainer step."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.length = [0.0, 0.0]  # sum, count
+        self.length_unmeasured = False
+        self.score = [0.0, 0.0]  # sum, count
+        self.score_valid = True
+        self.mismatch = None  # stats tensor (sums, then max) or None
+        self.mismatch_valid = True
+
+    def add(self, length_stats, mismatch_stats) -> None:
+        self.add_length(length_stats)
+        self.add_mismatch(mismatch_stats)
+
+    def add_length(self, length_stats: Optional[list]) -> None:
+        if length_stats is None:
+            self.length_unmeasured = True
+        else:
+            self.length = [self.length[0] + length_stats[0], self.length[1] + length_stats[1]]
+
+    def add_score(self, score_stats: Optional[list]) -> None:
+        if score_stats is None:
+            self.score_valid = False
+        else:
+            self.score = [self.score[0] + score_stats[0], self.score[1] + score_stats[1]]
+
+    def score_mean(self) -> Optional[float]:
+        """The step's mean sequence score, or None (the detector then runs without it)."""
+        total, count = self.score
+        return total / count if self.score_valid and count > 0 else None
+
+    def add_mismatch(self, mismatch_stats) -> None:
+        if mismatch_stats is None:
+            self.mismatch_valid = False
+        elif self.mismatch_valid:
+            if self.mismatch is None:
+                self.mismatch = mismatch_stats.clone()
+            else:
+                self.mismatch[:-1] += mismatch_stats[:-1]
+                self.mismatch[-1] = max(self.mismatch[-1], mismatch_stats[-1])
+
+    def result(self):
+        """``(mean length or NaN, mismatch/* figures or None)`` of the step so far."""
+        total, count = self.length
+        length = total / count if count > 0 and not self.length_unmeasured else math.nan
+        return length, mismatch.finalize(self.mismatch if self.mismatch_valid else None)
+
+
+def with_metrics(output, extra: dict):
+    """Return verl's ``train_mini_batch`` output with ``extra`` added to its metrics."""
+    if output is None:  # ranks that do not report
+        return output
+    from verl.utils import tensordict_utils as tu
+
+    metrics = dict(tu.get(output, "metrics"))
+    for key, value in extra.items():
+        metrics[key] = [value]
+    return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
