@@ -87,6 +87,7 @@ test-megatron312:
 		tests/test_megatron_cpu.py
 
 bench: install
+	$(PY) scripts/bench_stock.py
 	$(PY) scripts/bench_overhead.py
 	$(PY) scripts/bench_detector.py
 

@@ -18,17 +18,24 @@ PACKAGE_MODULES = ("verl_lrstab.config", "verl_lrstab.detector", "verl_lrstab.cu
 def load() -> None:
     from verl_lrstab.glue.failsafe import report_failure  # stdlib only: works whatever else is broken
 
+    causes: set = set()  # modules importing a broken one fail with its error: report the first only
+
+    def report(target: str, exc: BaseException) -> None:
+        if repr(exc) not in causes:
+            causes.add(repr(exc))
+            report_failure(target, exc)
+
     for name in PACKAGE_MODULES:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - reported by name, verl would swallow it
-            report_failure(f"the package module {name}", exc)
+            report(f"the package module {name}", exc)
     try:
         from verl_lrstab.glue import registry
 
         registry.install()
     except Exception as exc:  # noqa: BLE001
-        report_failure("verl_lrstab.glue (the glue itself)", exc)
+        report("verl_lrstab.glue (the glue itself)", exc)
 
 
 load()

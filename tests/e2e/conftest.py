@@ -67,7 +67,7 @@ def main_ppo_raw(tmp_path_factory, assets_dir):
     return run
 
 
-SITECUSTOMIZE = textwrap.dedent('''
+SITECUSTOMIZE = textwrap.dedent(r'''
     """Test-only start-up code of every process of an e2e run (driver, TaskRunner, workers)."""
     import json, os, sys
 

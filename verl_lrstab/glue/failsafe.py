@@ -79,24 +79,44 @@ def arm_guard() -> None:
 
 
 def _guard_module(module) -> None:
-    """Wrap ``__post_init__`` of the module's dataclasses with an ``lr_scheduler_type`` (or Megatron's
-    ``lr_decay_style``) field; found by field, not by name, so a renamed class is guarded too."""
+    """Guard verl's optimizer-config dataclasses: those with an ``lr_scheduler_type`` (or Megatron's
+    ``lr_decay_style``) field, found by field, not by name, so a renamed class is guarded too.
+
+    ``__init__``: a config naming ``length_surge`` raises :func:`failure_message`; the
+    ``length_surge:`` options node (a field verl's class does not have) is dropped with a
+    WARNING, so that a stock run whose YAML keeps the node (``lr_scheduler_type=constant``
+    for a baseline) trains on verl's code, as it would with the glue working.
+    ``__post_init__``: the same check for configs built another way.
+    """
     for cls in list(vars(module).values()):
         fields = getattr(cls, "__dataclass_fields__", None)
         if not isinstance(cls, type) or not fields or not {"lr_scheduler_type", "lr_decay_style"} & set(fields):
             continue
-        original = cls.__dict__.get("__post_init__")
-        if original is None or getattr(original, "_lrstab_guard", False):
-            continue
+        if "length_surge" in fields or getattr(cls.__dict__.get("__init__"), "_lrstab_guard", False):
+            continue  # the glue's own class (it checks itself), or guarded already
+        init, post_init = cls.__dict__.get("__init__"), cls.__dict__.get("__post_init__")
 
-        def __post_init__(self, _original=original):
-            if SCHEDULER_NAME in (getattr(self, "lr_scheduler_type", None), getattr(self, "warmup_style", None),
-                                  getattr(self, "lr_decay_style", None)):
+        def __init__(self, *args, _init=init, **kwargs):
+            options = kwargs.pop("length_surge", None)
+            if SCHEDULER_NAME in (kwargs.get("lr_scheduler_type"), kwargs.get("warmup_style"),
+                                  kwargs.get("lr_decay_style")):
                 check_usable()
-            _original(self)
+            if options:
+                logger.warning("verl-lrstab: %s.length_surge is ignored: the plugin failed to load, and the run "
+                               "does not name length_surge", OPTIM_KEY.rsplit(".", 1)[0])
+            _init(self, *args, **kwargs)
 
-        __post_init__._lrstab_guard = True
-        cls.__post_init__ = __post_init__
+        __init__._lrstab_guard = True
+        if init is not None:
+            cls.__init__ = __init__
+        if post_init is not None:
+            def __post_init__(self, _original=post_init):
+                if SCHEDULER_NAME in (getattr(self, "lr_scheduler_type", None), getattr(self, "warmup_style", None),
+                                      getattr(self, "lr_decay_style", None)):
+                    check_usable()
+                _original(self)
+
+            cls.__post_init__ = __post_init__
 
 
 def _guard_failed(name: str, exc: BaseException) -> None:
