@@ -67,6 +67,7 @@ def main() -> None:
     from verl.utils import tensordict_utils as tu
 
     from verl_lrstab import mismatch
+    from verl_lrstab.glue.worker import STEP_POSITION_KEY
 
     if not Path(args.model, "config.json").exists():
         h.build_tiny_model(args.model)
@@ -80,6 +81,8 @@ def main() -> None:
         gen = torch.Generator().manual_seed(7 * step + rank)
         mask = (torch.arange(trainer.shape[1])[None] < torch.tensor(lengths)[:, None]).long()
         rollout = trainer + NOISE * torch.randn(trainer.shape, generator=gen) * mask
+        # the V0 driver glue's tag (RayPPOTrainer._update_actor: one update per trainer step, sync)
+        tu.assign_non_tensor_data(batch, STEP_POSITION_KEY, [0, 1, 0])
         first = slice(0, FIRST_MINI_BATCH)
         expected = mismatch.compute_stats(trainer[first], rollout[first], mask[first])
         whole = mismatch.compute_stats(trainer, rollout, mask)

@@ -166,7 +166,8 @@ def make_actor_worker(config):
     return worker
 
 
-def make_actor_batch(lengths: list[int], seed: int, world_size: int, rollout_log_probs: bool = False):
+def make_actor_batch(lengths: list[int], seed: int, world_size: int, rollout_log_probs: bool = False,
+                     step_position: list | None = None):
     """One rank's ``update_actor`` input, built the way ``RayPPOTrainer._update_actor`` builds it.
 
     Args:
@@ -174,6 +175,8 @@ def make_actor_batch(lengths: list[int], seed: int, world_size: int, rollout_log
         seed: seeds tokens, prompt padding and advantages.
         world_size: data-parallel size (verl's ``mini_batch_size`` is global).
         rollout_log_probs: add the rollout engine's log-probs (old_log_probs + noise).
+        step_position: the trainer-step tag ``[index, count, is_async]`` the V0 driver glue puts
+            in ``meta_info`` for a ``length_surge`` run (``verl_lrstab.glue.driver``); None: untagged.
 
     Returns:
         ``(tensordict, logged_mean)``: the batch, and the ``response_length/mean`` verl's
@@ -186,6 +189,11 @@ def make_actor_batch(lengths: list[int], seed: int, world_size: int, rollout_log
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
+    tag = {}
+    if step_position is not None:
+        from verl_lrstab.glue.worker import STEP_POSITION_KEY
+
+        tag = {STEP_POSITION_KEY: list(step_position)}
     gen = torch.Generator().manual_seed(seed)
     rows, width = len(lengths), RESPONSE_WIDTH
     prompts = torch.randint(0, 256, (rows, PROMPT_WIDTH), generator=gen)
@@ -212,7 +220,7 @@ def make_actor_batch(lengths: list[int], seed: int, world_size: int, rollout_log
             "token_level_scores": scores,
             "token_level_rewards": scores.clone(),
         },
-        meta_info={"multi_turn": False, "temperature": 1.0},
+        meta_info={"multi_turn": False, "temperature": 1.0, **tag},
     )
     if rollout_log_probs:
         noise = ROLLOUT_NOISE * torch.randn(rows, width, generator=gen)
@@ -244,8 +252,12 @@ def _plain(value):
 
 
 def run_steps(worker, first: int, last: int, rank: int, world_size: int, rollout_log_probs: bool = False,
-              updates_per_step: int = 1) -> list[dict]:
+              updates_per_step: int = 1, tag_steps: bool = True) -> list[dict]:
     """Run actor updates ``first..last`` (1-based) and record what verl and the scheduler report.
+
+    ``tag_steps``: add the trainer-step tag as verl's driver glue does for a ``length_surge`` run
+    (V0: ``[0, 1, 0]`` in ``meta_info``; with ``updates_per_step > 1``, V1 ``separate_async``:
+    ``[index, count, 1]`` as one ``extra_info`` value). The worker refuses an untagged batch.
 
     Returns:
         One dict per update: ``step``, ``lengths`` and ``logged_mean`` (this rank's batch, see
@@ -259,11 +271,14 @@ def run_steps(worker, first: int, last: int, rank: int, world_size: int, rollout
     records = []
     for step in range(first, last + 1):
         lengths = response_lengths_at(step, rank, world_size)
+        v0_tag = [0, 1, 0] if tag_steps and updates_per_step == 1 else None  # RayPPOTrainer._update_actor's glue
         batch, logged_mean = make_actor_batch(lengths, seed=1000 * step + rank, world_size=world_size,
-                                              rollout_log_probs=rollout_log_probs)
-        if updates_per_step > 1:  # what the V1 separate_async driver wrap adds (verl_plugin.STEP_POSITION_KEY)
+                                              rollout_log_probs=rollout_log_probs, step_position=v0_tag)
+        if tag_steps and updates_per_step > 1:  # what the V1 separate_async driver glue adds
+            from verl_lrstab.glue.worker import STEP_POSITION_KEY
+
             # as V1 hands extra_info to the worker: one NonTensorData value (transferqueue_utils)
-            tu.assign_non_tensor_data(batch, "lrstab_step_position", [(step - 1) % updates_per_step, updates_per_step])
+            tu.assign_non_tensor_data(batch, STEP_POSITION_KEY, [(step - 1) % updates_per_step, updates_per_step, 1])
         start = time.perf_counter()
         output = worker.update_actor(batch)
         seconds = time.perf_counter() - start
@@ -299,9 +314,9 @@ def describe(worker) -> dict:
         "scheduler_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(sched).__mro__],
         "loss_fn": getattr(getattr(worker.actor.loss_fn, "func", None), "__qualname__", None),
         "loss_fn_module": getattr(getattr(worker.actor.loss_fn, "func", None), "__module__", None),
-        "plugin_loaded": "verl_lrstab.verl_plugin" in sys.modules,
-        "worker_wrapped": getattr(engine_workers.TrainingWorker.train_mini_batch, "_lrstab_wrapped", False),
-        "engine_wrapped": getattr(transformer_impl.FSDPEngine._build_lr_scheduler, "_lrstab_wrapped", False),
+        "plugin_loaded": "verl_lrstab.glue.registry" in sys.modules,
+        "worker_wrapped": getattr(engine_workers.TrainingWorker.train_mini_batch, "_lrstab_original", None) is not None,
+        "engine_wrapped": getattr(transformer_impl.FSDPEngine._build_lr_scheduler, "_lrstab_original", None) is not None,
         "dp_size": engine.get_data_parallel_size(),
         "dp_rank": engine.get_data_parallel_rank(),
         "initial_lr": engine.optimizer.param_groups[0]["lr"],
@@ -382,7 +397,9 @@ def main(argv=None) -> None:
     fail_at = {int(v) for v in args.fail_mismatch_at.split(",") if v}
     if fail_at and rank == world_size - 1:
         _fail_mismatch_at(fail_at, first=args.first)
-    steps_kwargs = {"rollout_log_probs": args.mismatch, "updates_per_step": args.updates_per_step}
+    # the driver glue tags the actor batches of a length_surge run (with the plugin loaded)
+    steps_kwargs = {"rollout_log_probs": args.mismatch, "updates_per_step": args.updates_per_step,
+                    "tag_steps": args.scheduler == "length_surge" and not args.no_plugin}
     result = {"header": describe(worker), "rank": rank, "world_size": world_size,
               "build_seconds": time.perf_counter() - started}
     if args.resume_from:

@@ -74,7 +74,7 @@ def describe(worker) -> dict:
         "use_checkpoint_opt_param_scheduler": engine.optimizer_config.use_checkpoint_opt_param_scheduler,
         "scheduler_class": f"{type(sched).__module__}.{type(sched).__qualname__}",
         "scheduler_mro": [f"{c.__module__}.{c.__qualname__}" for c in type(sched).__mro__],
-        "engine_wrapped": getattr(transformer_impl.MegatronEngine._build_lr_scheduler, "_lrstab_wrapped", False),
+        "engine_wrapped": getattr(transformer_impl.MegatronEngine._build_lr_scheduler, "_lrstab_original", None) is not None,
         "param_groups": [{k: v for k, v in g.items() if k in ("wd_mult", "max_lr", "weight_decay")}
                          for g in engine.optimizer.param_groups],
     }
@@ -104,6 +104,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)  # the same arithmetic in every process (resume compares losses)
     config = actor_rollout_ref_config(args.model, args.scheduler, total_steps=20)
     result = {}
+    tag = {"tag_steps": args.scheduler == "length_surge"}  # the driver glue tags a length_surge run's batches
     with verl_megatron_on_cpu():
         worker = eh.make_actor_worker(config)
         result["describe"] = describe(worker)
@@ -114,13 +115,13 @@ def main(argv=None) -> None:
             worker.load_checkpoint(args.resume_from)
             result["resumed_lr"] = worker.actor.engine.optimizer.param_groups[0]["lr"]
         if args.save_at:  # as verl's trainer: save after update save_at, go on
-            result["records"] = eh.run_steps(worker, args.first, args.save_at, 0, 1)
+            result["records"] = eh.run_steps(worker, args.first, args.save_at, 0, 1, **tag)
             worker.save_checkpoint(args.ckpt, global_step=args.save_at)
             result["checkpoint_files"] = sorted(str(p.relative_to(args.ckpt)) for p in Path(args.ckpt).rglob("*")
                                                 if p.is_file())
-            result["records"] += eh.run_steps(worker, args.save_at + 1, args.steps, 0, 1)
+            result["records"] += eh.run_steps(worker, args.save_at + 1, args.steps, 0, 1, **tag)
         else:
-            result["records"] = eh.run_steps(worker, args.first, args.steps, 0, 1)
+            result["records"] = eh.run_steps(worker, args.first, args.steps, 0, 1, **tag)
     Path(args.out).write_text(json.dumps(result, default=str))
 
 

@@ -136,7 +136,6 @@ def test_calibrate_prints_period_and_yaml_verl_accepts(verl_run, capsys):
                          "+actor_rollout_ref.actor.optim.length_surge.decay_period=198"]
 
     # The printed overrides work on verl's stock ppo_trainer (with the plugin installed).
-    pytest.importorskip("verl_lrstab.verl_plugin")
     from hydra import compose, initialize_config_module
     from verl.utils.config import omega_conf_to_dataclass
 

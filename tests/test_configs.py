@@ -9,7 +9,6 @@ through verl's ``compute_rollout_correction_and_rejection_mask`` on a small batc
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from verl.utils.torch_dtypes import PrecisionType
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "experiments"
 ARMS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if not p.stem.startswith("_"))
-HAS_PLUGIN = importlib.util.find_spec("verl_lrstab.verl_plugin") is not None
 # Every paper arm also runs on the 8B model and with SGLang: one switch each.
 VARIANTS = [[], ["paper_model=qwen3_8b", "actor_rollout_ref.rollout.name=sglang"]]
 CASES = [(arm, v) for arm in ARMS for v in (VARIANTS if arm.startswith("paper_") else VARIANTS[:1])]
@@ -53,8 +51,6 @@ def test_the_kit_has_every_arm():
 def test_config_passes_verl_checks(arm, overrides):
     cfg = _compose(arm, overrides)
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
-    if _uses_length_surge(cfg) and not HAS_PLUGIN:
-        pytest.skip("length_surge needs verl_lrstab.verl_plugin")
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # verl warns that GRPO runs without a critic
@@ -124,7 +120,6 @@ def test_verl_rejects_a_broken_arm():
             rollout_is_threshold=rc.rollout_is_threshold)
 
 
-@pytest.mark.skipif(not HAS_PLUGIN, reason="needs verl_lrstab.verl_plugin")
 def test_bad_length_surge_option_is_refused_by_name():
     cfg = _compose("paper_length_surge", ["actor_rollout_ref.actor.optim.length_surge.origin=middle"])
     # Hydra wraps the plugin's ValueError; the message still names the key and the allowed values.

@@ -17,13 +17,13 @@ import textwrap
 
 import pytest
 
-from verl_lrstab import verl_plugin
+from verl_lrstab.glue import failsafe, registry, wraps, worker
 
 pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = r'''
 import json, logging, sys
-from verl_lrstab._hooks import when_imported
+from verl_lrstab.glue.imports import when_imported
 
 MODULE, OWNER, ATTR, MODE = {module!r}, {owner!r}, {attr!r}, {mode!r}
 
@@ -55,8 +55,8 @@ out = {{"imports": True}}
 out["stock_ok"] = VerlOwn(lr=1e-6, lr_scheduler_type="cosine").lr_scheduler_type == "cosine"
 cls = getattr(verl.workers.config, "FSDPOptimizerConfig", VerlOwn)
 out["stock_via_verl_name_ok"] = cls(lr=1e-6).lr_scheduler_type == "constant"
-out["engine_wrapped"] = impl and getattr(getattr(impl.FSDPEngine, "_build_lr_scheduler", None), "_lrstab_wrapped", False)
-out["worker_wrapped"] = workers and getattr(getattr(workers.TrainingWorker, "train_mini_batch", None), "_lrstab_wrapped", False)
+out["engine_wrapped"] = impl and getattr(getattr(impl.FSDPEngine, "_build_lr_scheduler", None), "_lrstab_original", None) is not None
+out["worker_wrapped"] = workers and getattr(getattr(workers.TrainingWorker, "train_mini_batch", None), "_lrstab_original", None) is not None
 for name, make in (("verl_name", lambda: cls(lr=1e-6, lr_scheduler_type="length_surge")),
                    ("verl_own", lambda: VerlOwn(lr=1e-6, lr_scheduler_type="length_surge"))):
     try:
@@ -64,6 +64,7 @@ for name, make in (("verl_name", lambda: cls(lr=1e-6, lr_scheduler_type="length_
         out[name] = "no error"
     except Exception as exc:
         out[name] = type(exc).__name__ + ": " + str(exc)
+        out[name + "_is_runtime_error"] = isinstance(exc, RuntimeError)
 print("RESULT " + json.dumps(out))
 '''
 
@@ -94,14 +95,15 @@ def test_a_renamed_or_reshaped_target_leaves_verl_working_and_refuses_length_sur
 
     assert result["imports"] and result["stock_ok"] and result["stock_via_verl_name_ok"], result
     # one loud error naming the target and verl's version
-    errors = [line for line in stderr.splitlines() if "verl-lrstab: cannot wrap" in line]
+    errors = [line for line in stderr.splitlines() if "verl-lrstab: cannot use" in line]
     assert len(errors) == 1, stderr[-3000:]
-    assert target in errors[0] and "of verl 0.9.1" in errors[0], errors
+    assert f"cannot use {target} with verl 0.9.1: " in errors[0], errors
     # a length_surge config fails at config time with that cause, through either class name
     for name in ("verl_name", "verl_own"):
         message = result[name]
-        assert message.startswith("RuntimeError: actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge "
+        assert message.startswith("GlueUnavailable: actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge "
                                   "cannot be used"), (name, message)
+        assert result[name + "_is_runtime_error"], (name, message)
         assert target in message and "verl 0.9.1" in message, message
     # the targets that were not touched are still wrapped; the broken one is verl's own
     if attr == "train_mini_batch" and mode == "signature":
@@ -115,14 +117,12 @@ def test_untouched_verl_has_no_error_and_accepts_length_surge():
            "print('RESULT', C(lr=1e-6, lr_scheduler_type='length_surge').lr_scheduler_type)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert "RESULT length_surge" in proc.stdout, proc.stderr[-2000:]
-    assert "verl-lrstab: cannot wrap" not in proc.stderr
+    assert "verl-lrstab: cannot use" not in proc.stderr
 
 
 def test_an_exception_inside_a_wrapper_factory_is_reported_not_raised(monkeypatch):
-    from verl_lrstab import _hooks
-
-    monkeypatch.setattr(_hooks, "FAILURES", [])
-    monkeypatch.setattr(_hooks, "_guard_armed", True)  # do not guard this test process's config classes
+    monkeypatch.setattr(failsafe, "FAILURES", [])
+    monkeypatch.setattr(failsafe, "_guard_armed", True)  # do not guard this test process's config classes
 
     class Target:
         def method(self, data):
@@ -131,23 +131,23 @@ def test_an_exception_inside_a_wrapper_factory_is_reported_not_raised(monkeypatc
     def broken_factory(original):
         raise ZeroDivisionError("inside our factory")
 
-    wrap = verl_plugin.Wrap("tests", "Target", "method", ("self", "data"), broken_factory)
+    wrap = wraps.Wrap("tests", "Target", "method", ("self", "data"), broken_factory)
     module = type(sys)("tests")
     module.Target = Target
-    assert verl_plugin.apply(wrap, module) is False
+    assert wraps.apply(wrap, module) is False
     assert Target().method(1) == "verl's"
-    assert [t for t, _ in _hooks.FAILURES] == ["tests.Target.method"]
-    with pytest.raises(RuntimeError, match="tests.Target.method: ZeroDivisionError"):
-        _hooks.check_usable()
+    assert [t for t, _ in failsafe.FAILURES] == ["tests.Target.method"]
+    with pytest.raises(failsafe.GlueUnavailable, match="tests.Target.method: ZeroDivisionError"):
+        failsafe.check_usable()
 
 
 def test_an_exception_in_an_import_hook_does_not_break_the_import(tmp_path, monkeypatch):
-    from verl_lrstab import _hooks
+    from verl_lrstab.glue import imports
 
     (tmp_path / "lrstab_probe_mod.py").write_text("VALUE = 42\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     seen = []
-    _hooks.when_imported("lrstab_probe_mod", lambda m: 1 / 0, on_error=lambda name, exc: seen.append((name, exc)))
+    imports.when_imported("lrstab_probe_mod", lambda m: 1 / 0, on_error=lambda name, exc: seen.append((name, exc)))
     import lrstab_probe_mod
 
     assert lrstab_probe_mod.VALUE == 42
@@ -162,22 +162,20 @@ def test_wrappers_pass_new_verl_keywords_through():
         def train_mini_batch(self, data, new_flag=False):
             return ("verl's", data, new_flag)
 
-    wrap = verl_plugin.Wrap("m", "Worker", "train_mini_batch", ("self", "data"), verl_plugin._make_train_mini_batch)
+    wrap = wraps.Wrap("m", "Worker", "train_mini_batch", ("self", "data"), worker.make_train_mini_batch)
     module = type(sys)("m")
     module.Worker = Worker
-    assert verl_plugin.apply(wrap, module)
-    assert Worker.train_mini_batch._lrstab_wrapped
+    assert wraps.apply(wrap, module)
+    assert getattr(Worker.train_mini_batch, "_lrstab_original", None) is not None
     assert Worker().train_mini_batch("batch", new_flag=True) == ("verl's", "batch", True)
     assert Worker().train_mini_batch(data="batch") == ("verl's", "batch", False)
 
 
-@pytest.mark.parametrize("wrap", verl_plugin.WRAPS, ids=lambda w: w.target)
+@pytest.mark.parametrize("wrap", registry.WRAPS, ids=lambda w: w.target)
 def test_every_registered_wrap_is_fail_safe_when_its_target_is_gone(wrap, monkeypatch):
     # Each target of the registry, missing: apply() reports it and raises nothing.
-    from verl_lrstab import _hooks
-
-    monkeypatch.setattr(_hooks, "FAILURES", [])
-    monkeypatch.setattr(_hooks, "_guard_armed", True)  # do not guard this test process's config classes
+    monkeypatch.setattr(failsafe, "FAILURES", [])
+    monkeypatch.setattr(failsafe, "_guard_armed", True)  # do not guard this test process's config classes
     module = type(sys)(wrap.module)
     if wrap.owner:  # the owner exists, the attribute does not
         owner = module
@@ -186,7 +184,7 @@ def test_every_registered_wrap_is_fail_safe_when_its_target_is_gone(wrap, monkey
             owner = getattr(owner, part)
         if wrap.attribute.startswith("__"):  # every class has __init__/__post_init__ of some kind: not verl's
             setattr(owner, wrap.attribute, None)
-    assert verl_plugin.apply(wrap, module) is False
-    assert [target for target, _ in _hooks.FAILURES] == [wrap.target]
-    with pytest.raises(RuntimeError, match="length_surge cannot be used"):
-        _hooks.check_usable()
+    assert wraps.apply(wrap, module) is False
+    assert [target for target, _ in failsafe.FAILURES] == [wrap.target]
+    with pytest.raises(failsafe.GlueUnavailable, match="length_surge cannot be used"):
+        failsafe.check_usable()

@@ -1,7 +1,6 @@
 """The worker-side glue on batches in the layouts verl's V0 and V1 trainers send to update_actor."""
 
 import logging
-import math
 
 import pytest
 import torch
@@ -12,7 +11,9 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from verl_lrstab import mismatch
-from verl_lrstab.verl_plugin import _with_metrics, global_mean_response_length, global_mismatch_metrics, response_lengths
+from verl_lrstab.glue import driver
+from verl_lrstab.glue.signals import global_length_stats, global_mismatch_stats, response_lengths
+from verl_lrstab.glue.worker import PRE_RS_STATS_KEY, STEP_POSITION_KEY, with_metrics
 
 PROMPT, RESP = 6, 8
 RESPONSE_LENS = [8, 3, 0, 5]  # one empty (aborted) response
@@ -56,6 +57,19 @@ def v1_worker_batch():
                               "old_log_probs": jag("old_log_probs"), "rollout_log_probs": jag("rollout_log_probs")})
 
 
+def global_mean_response_length(data, dp_group=None):
+    """The step's mean length as the worker feeds it: ``sum / count`` of the global stats."""
+    stats = global_length_stats(data, dp_group)
+    assert stats is not None, "the length was not measurable"
+    total, count = stats
+    return total / count
+
+
+def global_mismatch_metrics(data, dp_group=None, pre_rejection_stats=None):
+    """The ``mismatch/*`` figures as the worker logs them."""
+    return mismatch.finalize(global_mismatch_stats(data, dp_group, pre_rejection_stats))
+
+
 def verl_logged_mean():
     """verl's own response_length/mean for the same batch (metric_utils)."""
     batch = DataProto.from_dict(tensors=padded_batch())
@@ -74,10 +88,16 @@ def test_v1_layout_uses_jagged_response_lengths():
     assert global_mean_response_length(data) == pytest.approx(sum(RESPONSE_LENS) / len(RESPONSE_LENS))
 
 
-def test_unmeasurable_batch_gives_nan_not_a_crash(caplog):
+def test_unmeasurable_batch_gives_none_not_a_crash(caplog):
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
-    value = global_mean_response_length(tu.get_tensordict({"foo": torch.zeros(2, 3)}))
-    assert value != value and "could not measure" in caplog.text
+    assert global_length_stats(tu.get_tensordict({"foo": torch.zeros(2, 3)})) is None
+    assert "could not measure" in caplog.text
+
+
+def test_empty_batch_gives_zero_counts_not_unmeasurable():
+    data = tu.get_tensordict({"attention_mask": torch.zeros(0, PROMPT + RESP, dtype=torch.int64),
+                              "response_mask": torch.zeros(0, RESP, dtype=torch.int64)})
+    assert global_length_stats(data) == [0.0, 0.0]
 
 
 def test_mismatch_on_v0_and_v1_layouts_equals_padded_reference():
@@ -100,9 +120,9 @@ def test_missing_rollout_log_probs_logs_nothing_and_names_the_key(caplog, monkey
 
 def test_metrics_are_added_to_verl_output():
     output = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"lr": [1e-6], "loss": [0.5]}})
-    merged = tu.get(_with_metrics(output, {"lrstab/surge_step": -1, "mismatch/k3": 1e-4}), "metrics")
+    merged = tu.get(with_metrics(output, {"lrstab/surge_step": -1, "mismatch/k3": 1e-4}), "metrics")
     assert merged == {"lr": [1e-6], "loss": [0.5], "lrstab/surge_step": [-1], "mismatch/k3": [1e-4]}
-    assert _with_metrics(None, {"x": 1}) is None
+    assert with_metrics(None, {"x": 1}) is None
 
 
 def test_v1_synthetic_padding_samples_are_left_out_like_verls_metrics():
@@ -125,56 +145,64 @@ def test_v1_synthetic_padding_samples_are_left_out_like_verls_metrics():
     assert global_mean_response_length(data) == pytest.approx(sum(RESPONSE_LENS) / len(RESPONSE_LENS))
 
 
-def test_collective_device_is_this_ranks_accelerator_from_verls_helpers(monkeypatch):
-    # Ascend/CUDA with more than one rank per node: each rank reduces on its own device, not device 0.
+def test_collective_device_is_this_ranks_accelerator(monkeypatch):
+    # CUDA/Ascend with more than one rank per node: each rank reduces on its own device, not device 0.
     import torch.distributed as dist
 
-    import verl.utils.device as device
-
-    from verl_lrstab import verl_plugin
-
-    class Accelerator:
-        @staticmethod
-        def current_device():
-            return 1
-
-    monkeypatch.setattr(device, "get_device_name", lambda: "cuda")
-    monkeypatch.setattr(device, "get_torch_device", lambda: Accelerator)
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    assert verl_plugin._collective_device(None) == torch.device("cuda", 1)
+    assert mismatch.collective_device(None) == torch.device("cuda", 1)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    assert verl_plugin._collective_device(None) == torch.device("cpu")
+    assert mismatch.collective_device(None) == torch.device("cpu")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # no process group: the CPU
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert mismatch.collective_device(None) == torch.device("cpu")
 
 
 def test_v0_batch_without_attention_mask_is_not_measured_from_response_mask(caplog):
     # response_mask alone leaves out tool tokens (multi-turn): refuse to guess, loudly
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
     data = tu.get_tensordict({"response_mask": torch.ones(2, 4, dtype=torch.int64)})
-    assert math.isnan(global_mean_response_length(data))
+    assert global_length_stats(data) is None
     assert "tool tokens" in caplog.text and "attention_mask" in caplog.text
 
 
-@pytest.mark.parametrize("rollout_rs,threshold", [(None, None), ("token_k3", 1e-3), ("seq_mean_k1", "0.999_1.001")])
-def test_mismatch_is_measured_before_rejection_sampling_like_verls_rollout_corr(rollout_rs, threshold):
-    """verl's own rollout correction (rejection overwrites response_mask) through the plugin's wrap."""
+def _rollout_corr_inputs(rollout_rs, threshold):
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
-    from verl.trainer.ppo import rollout_corr_helper
-
-    from verl_lrstab import verl_plugin
 
     padded = padded_batch()
     padded["rollout_log_probs"] = padded["old_log_probs"] + 0.05 * torch.randn(
         padded["old_log_probs"].shape, generator=torch.Generator().manual_seed(1))
-    batch = DataProto.from_dict(tensors=padded)
     config = RolloutCorrectionConfig(rollout_is=None, rollout_rs=rollout_rs, rollout_rs_threshold=threshold)
-    wrapped = verl_plugin._make_rollout_correction(getattr(rollout_corr_helper.compute_rollout_correction_and_add_to_batch,
-                                                           "_lrstab_original",
-                                                           rollout_corr_helper.compute_rollout_correction_and_add_to_batch))
+    return DataProto.from_dict(tensors=padded), config
+
+
+def _wrapped_rollout_correction():
+    """The glue's wrapper around verl's own function (the installed one may already be ours)."""
+    from verl.trainer.ppo import rollout_corr_helper
+    from verl_lrstab.glue.wraps import original
+
+    return driver.make_rollout_correction(original(rollout_corr_helper.compute_rollout_correction_and_add_to_batch))
+
+
+@pytest.mark.parametrize("rollout_rs,threshold", [(None, None), ("token_k3", 1e-3), ("seq_mean_k1", "0.999_1.001")])
+def test_mismatch_is_measured_before_rejection_sampling_like_verls_rollout_corr(rollout_rs, threshold, monkeypatch):
+    """verl's own rollout correction (rejection overwrites response_mask) through the glue's wrap."""
+    monkeypatch.setattr(driver, "_length_surge_runs", 1)  # a length_surge trainer was built in this process
+    driver._pop_pre_rs_stats()  # nothing left from another test
+    batch, config = _rollout_corr_inputs(rollout_rs, threshold)
+    wrapped = _wrapped_rollout_correction()
     before = batch.batch["response_mask"].clone()
     batch, verl_metrics = wrapped(batch, config)
-    stats = verl_plugin._pop_pre_rs_stats()
+    stats = driver._pop_pre_rs_stats()
     if rollout_rs is not None:
         assert (batch.batch["response_mask"] != before).any(), "rejection sampling must drop tokens here"
+        assert stats is not None
+    else:  # no rejection: the mask is unchanged and the worker measures it itself
+        assert stats is None and torch.equal(batch.batch["response_mask"], before)
     # the worker sees the post-rejection batch, and the driver's pre-rejection sums
     worker = left_right_2_no_padding(batch.to_tensordict())
     ours = global_mismatch_metrics(worker, pre_rejection_stats=stats)
@@ -183,21 +211,44 @@ def test_mismatch_is_measured_before_rejection_sampling_like_verls_rollout_corr(
     assert ours["mismatch/k1"] == pytest.approx(verl_metrics["rollout_corr/kl"], rel=1e-4)
 
 
-def test_v0_driver_wrap_hands_the_pre_rejection_stats_to_the_worker_batch():
+def test_rollout_correction_of_a_stock_run_stashes_nothing(monkeypatch):
+    # no length_surge trainer in this process: verl's function runs alone, nothing is measured
+    monkeypatch.setattr(driver, "_length_surge_runs", 0)
+    driver._pop_pre_rs_stats()
+    batch, config = _rollout_corr_inputs("token_k3", 1e-3)
+    reference, _ = _rollout_corr_inputs("token_k3", 1e-3)
+    from verl_lrstab.glue.wraps import original
+    from verl.trainer.ppo import rollout_corr_helper
+
+    batch, verl_metrics = _wrapped_rollout_correction()(batch, config)
+    reference, reference_metrics = original(rollout_corr_helper.compute_rollout_correction_and_add_to_batch)(
+        reference, config)
+    assert driver._pop_pre_rs_stats() is None
+    assert torch.equal(batch.batch["response_mask"], reference.batch["response_mask"])
+    assert verl_metrics.keys() == reference_metrics.keys()
+
+
+def test_v0_driver_wrap_tags_the_step_and_hands_the_pre_rejection_stats_to_the_worker_batch():
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
 
-    from verl_lrstab import verl_plugin
-
     sent = []
-    wrapper = verl_plugin._make_v0_update_actor(
+    wrapper = driver.make_v0_update_actor(
         lambda self, batch: sent.append(left_right_2_no_padding(batch.to_tensordict())))  # as _update_actor does
     config = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "length_surge"}}}})
     batch = DataProto.from_dict(tensors=padded_batch())
     stats = mismatch.compute_stats(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
                                    batch.batch["response_mask"]).tolist()
-    verl_plugin._pre_rs.stats = stats
+    driver._run.pre_rs = stats
     wrapper(SimpleNamespace(config=config), batch)
-    assert tu.pop(sent[0], key=verl_plugin.PRE_RS_STATS_KEY, default=None) == stats
-    assert verl_plugin._pop_pre_rs_stats() is None  # consumed: never handed to a later batch
+    assert tu.pop(sent[0], key=PRE_RS_STATS_KEY, default=None) == stats
+    assert list(tu.pop(sent[0], key=STEP_POSITION_KEY, default=None)) == [0, 1, 0]  # V0: one update per step, sync
+    assert driver._pop_pre_rs_stats() is None  # consumed: never handed to a later batch
+    # a stock run's batch is untouched
+    config.actor_rollout_ref.actor.optim.lr_scheduler_type = "cosine"
+    driver._run.pre_rs = stats
+    wrapper(SimpleNamespace(config=config), DataProto.from_dict(tensors=padded_batch()))
+    assert tu.pop(sent[1], key=STEP_POSITION_KEY, default=None) is None
+    assert tu.pop(sent[1], key=PRE_RS_STATS_KEY, default=None) is None
+    driver._run.pre_rs = None

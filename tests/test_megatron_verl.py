@@ -22,7 +22,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # n
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl_lrstab.config import LengthSurgeConfig  # noqa: E402
 from verl_lrstab.megatron import LengthSurgeParamScheduler, build_length_surge_param_scheduler  # noqa: E402
-from verl_lrstab.megatron_config import LengthSurgeMcoreOptimizerConfig  # noqa: E402
+from verl_lrstab.glue.configs import LengthSurgeMcoreOptimizerConfig  # noqa: E402
 
 OPTIM = "actor_rollout_ref.actor.optim"
 
@@ -78,6 +78,8 @@ def test_stock_megatron_config_is_unchanged():
          r"length_surge\.gamma=1\.5.*\(0, 1\)"),
         ([f"{OPTIM}.lr_decay_style=length_surge", f"+{OPTIM}.length_surge.ratio=2"],
          r"unknown key.*length_surge\.ratio.*allowed keys"),
+        ([f"{OPTIM}.lr_decay_style=length_surge", f"+{OPTIM}.length_surge.max_surges=2"],
+         r"length_surge\.max_surges=2 is invalid in training: allowed values are its default 1"),
     ],
 )
 def test_bad_megatron_config_names_key_and_allowed_values(overrides, message):
@@ -139,7 +141,7 @@ def engine_with(optim_config):
 def test_wrapped_engine_builds_ours_only_for_length_surge():
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    assert getattr(MegatronEngine._build_lr_scheduler, "_lrstab_wrapped", False)
+    assert getattr(MegatronEngine._build_lr_scheduler, "_lrstab_original", None) is not None
     base = [f"{OPTIM}.total_training_steps=100"]
     ours = engine_with(megatron_actor(f"{OPTIM}.lr_decay_style=length_surge", *base).optim)._build_lr_scheduler()
     stock = engine_with(megatron_actor(*base).optim)._build_lr_scheduler()
@@ -147,7 +149,7 @@ def test_wrapped_engine_builds_ours_only_for_length_surge():
 
 
 def test_worker_glue_feeds_the_megatron_scheduler():
-    from verl_lrstab import verl_plugin
+    from verl_lrstab.glue import worker
 
     scheduler = engine_with(megatron_actor(f"{OPTIM}.lr_decay_style=length_surge",
                                            f"{OPTIM}.total_training_steps=100").optim)._build_lr_scheduler()
@@ -155,11 +157,11 @@ def test_worker_glue_feeds_the_megatron_scheduler():
     class Worker:
         engine = type("Engine", (), {"lr_scheduler": scheduler})()
 
-    assert verl_plugin._length_surge_scheduler(Worker()) is scheduler
+    assert worker._engine_has_our_scheduler(Worker()) is True
     Worker.engine.lr_scheduler = OptimizerParamScheduler(
         optimizer(), init_lr=0.0, max_lr=1e-6, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10,
         lr_decay_style="constant", start_wd=0.0, end_wd=0.0, wd_incr_steps=10, wd_incr_style="constant")
-    assert verl_plugin._length_surge_scheduler(Worker()) is None  # a stock scheduler: verl's own path
+    assert worker._engine_has_our_scheduler(Worker()) is False  # a stock scheduler: verl's own path
 
 
 RENAME = """
@@ -169,8 +171,8 @@ logging.basicConfig(level=logging.ERROR, stream=sys.stdout, format="%(levelname)
 import verl.workers.engine.megatron.transformer_impl as impl
 impl.MegatronEngine._build_lr_scheduler_v2 = impl.MegatronEngine._build_lr_scheduler
 del impl.MegatronEngine._build_lr_scheduler
-from verl_lrstab import verl_plugin
-verl_plugin.install()
+from verl_lrstab.glue import registry
+registry.install()
 from hydra import compose, initialize_config_module
 from verl.utils.config import omega_conf_to_dataclass
 def actor(*o):
@@ -193,7 +195,7 @@ def test_renamed_megatron_target_never_breaks_a_stock_run():
                           timeout=300, env={**__import__("os").environ, "VERL_USE_EXTERNAL_PLUGINS": "none"})
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ERROR verl-lrstab: cannot wrap verl.workers.engine.megatron.transformer_impl.MegatronEngine." \
-           "_build_lr_scheduler" in out
+    assert "ERROR verl-lrstab: cannot use verl.workers.engine.megatron.transformer_impl.MegatronEngine." \
+           "_build_lr_scheduler with verl 0.9.1: " in out
     assert "STOCK LengthSurgeMcoreOptimizerConfig constant" in out  # the stock config still builds
     assert "LENGTH_SURGE refused:" in out and "cannot be used: the verl-lrstab plugin failed" in out

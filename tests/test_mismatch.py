@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from verl_lrstab.mismatch import (
     DEFAULT_THRESHOLD,
     STAT_FIELDS,
+    all_reduce_or_none,
     all_reduce_stats,
     compute_stats,
     finalize,
@@ -240,10 +241,16 @@ def _dp_worker(rank, world_size, init_file, out_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     old, roll, mask = _batch(bs=9, scale=0.4)
     rows = [slice(0, 4), slice(4, 9), slice(9, 9)][rank]  # rank 2 holds no sequence at all
-    stats = all_reduce_stats(compute_stats(old[rows], roll[rows], mask[rows]))
+    local = compute_stats(old[rows], roll[rows], mask[rows])
+    stats = all_reduce_stats(local.clone())
+    n = len(STAT_FIELDS)
+    or_none = all_reduce_or_none(local, n, n_max=1)
+    # one rank that cannot measure: every rank gets None, not a partial figure
+    one_missing = all_reduce_or_none(None if rank == 1 else local, n, n_max=1)
+    assert one_missing is None, (rank, one_missing)
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump(finalize(stats), f)
+            json.dump({"all_reduce_stats": finalize(stats), "all_reduce_or_none": finalize(or_none)}, f)
     dist.destroy_process_group()
 
 
@@ -251,7 +258,9 @@ def test_all_reduce_over_a_real_gloo_group(tmp_path):
     out = tmp_path / "out.json"
     mp.spawn(_dp_worker, args=(3, str(tmp_path / "init"), str(out)), nprocs=3, join=True)
     old, roll, mask = _batch(bs=9, scale=0.4)
-    _assert_same(json.loads(out.read_text()), mismatch_metrics(old, roll, mask), rel=1e-12)
+    got = json.loads(out.read_text())
+    for name in ("all_reduce_stats", "all_reduce_or_none"):
+        _assert_same(got[name], mismatch_metrics(old, roll, mask), rel=1e-12)
 
 
 def test_all_reduce_is_a_noop_without_a_process_group():
@@ -259,6 +268,8 @@ def test_all_reduce_is_a_noop_without_a_process_group():
     stats = compute_stats(old, roll, mask)
     assert torch.equal(all_reduce_stats(stats.clone()), stats)
     assert all_reduce_stats(None) is None
+    assert torch.equal(all_reduce_or_none(stats, len(STAT_FIELDS), n_max=1), stats.double())
+    assert all_reduce_or_none(None, len(STAT_FIELDS), n_max=1) is None
 
 
 # -- bypass mode: the first mini-batch's training forward (verl_lrstab.bypass) ----------------------------
@@ -335,8 +346,7 @@ def test_a_failing_view_never_breaks_the_loss_and_logs_nothing(caplog):
     with caplog.at_level("WARNING", logger="verl_lrstab"):
         assert wrapped(model_output={}, data={}, dp_group=None)[0].item() == 2.0
     assert "could not read" in caplog.text
-    stats = capture.reduce()
-    assert torch.isnan(stats).all() and capture.metrics() is None
+    assert capture.reduce() is None and capture.metrics() is None  # no figures rather than a partial one
 
 
 def test_optimizer_pre_hook_reduces_once_at_the_first_step():

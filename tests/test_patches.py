@@ -21,15 +21,16 @@ def test_wrappers_are_installed_by_the_plugin():
     from verl.workers.engine.fsdp import transformer_impl
 
     assert FSDPOptimizerConfig.__name__ == "LengthSurgeOptimizerConfig"
-    assert transformer_impl.FSDPEngine._build_lr_scheduler._lrstab_wrapped
-    assert engine_workers.TrainingWorker.train_mini_batch._lrstab_wrapped
+    assert getattr(transformer_impl.FSDPEngine._build_lr_scheduler, "_lrstab_original", None) is not None
+    assert getattr(engine_workers.TrainingWorker.train_mini_batch, "_lrstab_original", None) is not None
 
 
 def test_a_changed_v1_padding_template_refuses_length_surge_loudly(monkeypatch):
     # the V1 length leaves out padding samples by their shape: if verl's template changes, say so
     from verl.trainer.ppo import padding_utils
 
-    from verl_lrstab import verl_plugin
+    from verl_lrstab.glue import signals
+    from verl_lrstab.glue.wraps import VerlShapeError
 
     original = padding_utils.construct_minimal_padding_template
 
@@ -39,25 +40,29 @@ def test_a_changed_v1_padding_template_refuses_length_surge_loudly(monkeypatch):
         return pad, tag
 
     monkeypatch.setattr(padding_utils, "construct_minimal_padding_template", two_token_template)
-    monkeypatch.setattr(verl_plugin, "_assumptions_checked", False)
-    with pytest.raises(verl_plugin.VerlShapeError, match="V1 padding samples have one response token"):
-        verl_plugin._check_assumptions_once()
+    monkeypatch.setattr(signals, "_assumptions_checked", False)
+    with pytest.raises(VerlShapeError, match="V1 padding samples have one response token"):
+        signals.check_assumptions_once()
 
 
-def test_v1_driver_wrap_tags_the_step_position_and_pre_rejection_stats():
+@pytest.mark.parametrize("mode,is_async", [("sync", 0), ("colocate_async", 1), ("separate_async", 1)])
+def test_v1_driver_wrap_tags_the_step_position_and_pre_rejection_stats(mode, is_async):
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
 
-    from verl_lrstab import verl_plugin
+    from verl_lrstab.glue import driver
+    from verl_lrstab.glue.worker import PRE_RS_STATS_KEY, STEP_POSITION_KEY
 
     seen = []
-    wrapper = verl_plugin._make_v1_update_actor(lambda self, batch, metrics: seen.append(dict(batch.extra_info)))
-    config = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "length_surge"}}}})
+    wrapper = driver.make_v1_update_actor(lambda self, batch, metrics: seen.append(dict(batch.extra_info)))
+    config = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "length_surge"}}},
+                               "trainer": {"use_v1": True, "v1": {"trainer_mode": mode}}})
     trainer = SimpleNamespace(config=config, parameter_sync_step=4, local_trigger_step=2)
-    verl_plugin._pre_rs.stats = [1.0, 2.0]
+    driver._run.pre_rs = [1.0, 2.0]
     wrapper(trainer, SimpleNamespace(extra_info={"epochs": 1}), {})
-    assert seen == [{"epochs": 1, verl_plugin.STEP_POSITION_KEY: [2, 4], verl_plugin.PRE_RS_STATS_KEY: [1.0, 2.0]}]
+    assert seen == [{"epochs": 1, STEP_POSITION_KEY: [2, 4, is_async], PRE_RS_STATS_KEY: [1.0, 2.0]}]
+    assert driver._pop_pre_rs_stats() is None  # consumed: never handed to a later batch
     # a stock run's batch is untouched
     config.actor_rollout_ref.actor.optim.lr_scheduler_type = "cosine"
     wrapper(trainer, SimpleNamespace(extra_info={"epochs": 1}), {})

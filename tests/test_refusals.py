@@ -10,7 +10,7 @@ from hydra.errors import InstantiationException
 from omegaconf import OmegaConf
 
 from verl.utils.config import omega_conf_to_dataclass
-from verl_lrstab.verl_plugin import LengthSurgeNotSupported
+from verl_lrstab.glue.refusals import LengthSurgeNotSupported
 
 SUPPORTED = r"Supported: the actor \(actor_rollout_ref.actor.optim\) of the FSDP engine"
 

@@ -150,6 +150,11 @@ def test_metrics_keys_and_no_invented_values():
         ({"baseline_window": 3}, "baseline_window"),
         ({"ratio_threshold": 2.0}, "ratio_threshold"),
         ({"detector": "ratio", "cusum_span": 10}, "cusum_span"),
+        # the mismatch trigger's options with trigger: length (the default), and patience with cusum + length
+        ({"mismatch_budget": 1e-3}, "mismatch_budget"),
+        ({"mismatch_budget_factor": 2.0}, "mismatch_budget_factor"),
+        ({"mismatch_calibration_steps": 5}, "mismatch_calibration_steps"),
+        ({"patience": 5}, "patience"),
     ],
 )
 def test_bad_options_name_the_key_and_allowed_values(options, key):
@@ -174,8 +179,22 @@ def test_mismatch_trigger_starts_the_decay_only_when_asked():
     fired = replay(range(1, 101), lengths, {"trigger": "mismatch", "mismatch_budget": 1e-3}, mismatch_kl=kl)
     assert fired.surge_step is None and fired.trigger_step is not None and 30 < fired.trigger_step <= 35
     assert fired.decay_period == decay_period_from_surge(fired.trigger_step, 1.8)
-    ignored = replay(range(1, 101), lengths, {"trigger": "length", "mismatch_budget": 1e-3}, mismatch_kl=kl)
+    # trigger: length never reads the mismatch: its budget is refused rather than silently ignored
+    with pytest.raises(ValueError, match=r"length_surge\.mismatch_budget=0\.001 is invalid: allowed values are its "
+                                         r"default None with trigger='length'"):
+        replay(range(1, 101), lengths, {"trigger": "length", "mismatch_budget": 1e-3}, mismatch_kl=kl)
+    ignored = replay(range(1, 101), lengths, {"trigger": "length"}, mismatch_kl=kl)
     assert ignored.trigger_step is None and set(ignored.lr_scale) == {1.0}
+
+
+@pytest.mark.parametrize("options", [
+    {"trigger": "mismatch", "mismatch_budget": 1e-3, "patience": 5},  # read by the mismatch trigger
+    {"trigger": "either", "mismatch_budget_factor": 2.0, "mismatch_calibration_steps": 5},
+    {"detector": "ratio", "patience": 5},  # read by the ratio detector
+])
+def test_options_read_by_the_chosen_trigger_or_detector_are_accepted(options):
+    config = LengthSurgeConfig.from_dict(options)
+    assert {k: getattr(config, k) for k in options} == options
 
 
 # -- detector choice, co-signals, resume (detector: cusum is the default) -----------------------------

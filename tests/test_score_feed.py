@@ -1,7 +1,5 @@
 """The score co-signal of ``detector: cusum``: what the worker glue feeds equals verl's ``critic/score/mean``."""
 
-import math
-
 import pytest
 import torch
 from verl import DataProto
@@ -9,7 +7,8 @@ from verl.trainer.ppo.metric_utils import compute_data_metrics
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
-from verl_lrstab.verl_plugin import StepAccumulator, global_score_stats, sequence_scores
+from verl_lrstab.glue.signals import global_score_stats, sequence_scores
+from verl_lrstab.glue.worker import StepAccumulator
 from test_glue import RESPONSE_LENS, padded_batch
 
 SCORES = [1.0, 0.0, 0.5, 1.0]  # one per sample, on its last response token (as verl's reward managers put it)
@@ -57,12 +56,12 @@ def test_v1_jagged_rm_scores_sum_per_sample_and_leave_out_padding_samples():
     assert (total, count) == (pytest.approx(sum(expected)), len(expected))
 
 
-def test_batch_without_scores_gives_nan_and_the_step_runs_on_the_length(caplog):
+def test_batch_without_scores_gives_none_and_the_step_runs_on_the_length(caplog):
     data = left_right_2_no_padding(DataProto.from_dict(tensors=padded_batch()).to_tensordict())
-    total, count = global_score_stats(data)
-    assert math.isnan(total) and count == 0
+    stats = global_score_stats(data)
+    assert stats is None
     acc = StepAccumulator()
-    acc.add_score([total, count])
+    acc.add_score(stats)
     assert acc.score_mean() is None
 
 
@@ -71,7 +70,9 @@ def test_step_accumulator_averages_the_score_over_a_trainer_steps_updates():
     acc.add_score([3.0, 4.0])
     acc.add_score([1.0, 4.0])
     assert acc.score_mean() == pytest.approx(0.5)
-    acc.add_score([math.nan, 0.0])  # one update without a score: no score for the step
+    acc.add_score(None)  # one update without a score: no score for the step
     assert acc.score_mean() is None
     acc.reset()
     assert acc.score_mean() is None
+    acc.add_score([2.0, 4.0])  # the next trainer step has its score again
+    assert acc.score_mean() == pytest.approx(0.5)

@@ -62,6 +62,43 @@ def test_bad_config_names_key_and_allowed_values(override, message):
         actor_config(*overrides)
 
 
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        # verl's cosine-only options: length_surge does not read them (its floor is length_surge.min_lr_ratio)
+        (f"{OPTIM}.min_lr_ratio=0.2", r"min_lr_ratio=0\.2 is not read by lr_scheduler_type=length_surge.*"
+                                      r"allowed values are \[None, 0\.0\]"),
+        (f"{OPTIM}.num_cycles=1.0", r"num_cycles=1\.0 is not read by lr_scheduler_type=length_surge.*\[0\.5\]"),
+        (f"{OPTIM}.zero_indexed_step=false",
+         r"zero_indexed_step=False is not read by lr_scheduler_type=length_surge.*\[True\]"),
+        # options the training glue never feeds
+        (f"+{OPTIM}.length_surge.cusum_clip_rise=0.5",
+         r"length_surge\.cusum_clip_rise=0\.5 is invalid in training: allowed values are its default 0\.25"),
+        (f"+{OPTIM}.length_surge.max_surges=2",
+         r"length_surge\.max_surges=2 is invalid in training: allowed values are its default 1"),
+    ],
+)
+def test_options_length_surge_does_not_read_are_refused(override, message):
+    with pytest.raises((InstantiationException, ValueError), match=message):
+        actor_config(f"{OPTIM}.lr_scheduler_type=length_surge", override)
+    if ".length_surge." not in override:  # verl's own options: accepted by verl's own schedules
+        assert actor_config(f"{OPTIM}.lr_scheduler_type=cosine", override).optim.lr_scheduler_type == "cosine"
+
+
+def test_warmup_style_length_surge_is_refused():
+    # warmup_style is verl's deprecated alias: naming length_surge there is refused, not aliased
+    with pytest.raises((InstantiationException, ValueError),
+                       match=r"warmup_style='length_surge' is not supported.*lr_scheduler_type=length_surge"):
+        actor_config(f"{OPTIM}.warmup_style=length_surge")
+    assert actor_config(f"{OPTIM}.warmup_style=cosine").optim.lr_scheduler_type == "cosine"  # verl's alias
+
+
+def test_verls_own_checks_still_apply_to_length_surge():
+    # the subclass runs verl's __post_init__ (with constant in place of the name): its checks hold
+    optim = actor_config(f"{OPTIM}.lr_scheduler_type=length_surge", f"+{OPTIM}.grad_clip=0.5").optim
+    assert optim.clip_grad == 0.5 and optim.lr_scheduler_type == "length_surge"
+
+
 def test_options_without_the_name_warn():
     with pytest.warns(UserWarning, match="length_surge options are ignored"):
         actor_config(f"+{OPTIM}.length_surge.period_factor=1.2")
@@ -75,27 +112,31 @@ def run_python(code, **env):
                           env=full_env, timeout=120)
 
 
-def test_failed_plugin_is_not_silent_when_the_scheduler_is_named():
-    # Make the glue unimportable, as a broken install would: verl swallows the plugin error,
-    # but naming the scheduler must then fail with the cause.
+@pytest.mark.parametrize("broken,target", [
+    ("verl_lrstab.glue.registry", "verl_lrstab.glue (the glue itself)"),
+    ("verl_lrstab.schedule", "the package module verl_lrstab.schedule"),
+])
+def test_failed_plugin_is_not_silent_when_the_scheduler_is_named(broken, target):
+    # Make a module of the glue unimportable, as a broken install would: verl swallows the plugin
+    # error, but naming the scheduler must then fail with the cause.
     proc = run_python(
-        """
+        f"""
         import sys
-        sys.modules["verl_lrstab.verl_plugin"] = None  # ImportError on import
+        sys.modules[{broken!r}] = None  # ImportError on import
         import verl
         from verl.workers.config import FSDPOptimizerConfig
         FSDPOptimizerConfig(lr=1e-6)  # other names are unaffected
         try:
             FSDPOptimizerConfig(lr=1e-6, lr_scheduler_type="length_surge")
         except RuntimeError as exc:
-            print("RAISED:", exc)
+            print("RAISED:", type(exc).__name__, exc)
         """
     )
-    assert "RAISED:" in proc.stdout, proc.stderr
+    assert "RAISED: GlueUnavailable" in proc.stdout, proc.stderr
     assert "length_surge cannot be used: the verl-lrstab plugin failed to load" in proc.stdout
-    assert "verl_lrstab.verl_plugin" in proc.stdout and "verl 0.9.1" in proc.stdout
+    assert f"{target}: ModuleNotFoundError" in proc.stdout and "verl 0.9.1" in proc.stdout, proc.stdout
     # logged once at ERROR (verl itself would log a failing plugin at debug level only)
-    assert proc.stderr.count("verl-lrstab: cannot wrap verl_lrstab.verl_plugin") == 1, proc.stderr
+    assert proc.stderr.count(f"verl-lrstab: cannot use {target} with verl 0.9.1: ModuleNotFoundError") == 1, proc.stderr
 
 
 def test_explicit_target_works_with_plugins_disabled():
@@ -106,10 +147,10 @@ def test_explicit_target_works_with_plugins_disabled():
         import verl.workers.engine.fsdp.transformer_impl as impl
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):
             cfg = compose(config_name="ppo_trainer", overrides=[
-                "actor_rollout_ref.actor.optim._target_=verl_lrstab.verl_config.LengthSurgeOptimizerConfig",
+                "actor_rollout_ref.actor.optim._target_=verl_lrstab.glue.configs.LengthSurgeOptimizerConfig",
                 "actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge"])
         optim = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.optim)
-        print("OK", type(optim).__name__, getattr(impl.FSDPEngine._build_lr_scheduler, "_lrstab_wrapped", False))
+        print("OK", type(optim).__name__, getattr(impl.FSDPEngine._build_lr_scheduler, "_lrstab_original", None) is not None)
         """,
         VERL_USE_EXTERNAL_PLUGINS="none",
     )

@@ -102,7 +102,8 @@ class FirstMiniBatchCapture:
         threshold: as :func:`verl_lrstab.mismatch.compute_stats`.
 
     A failure inside :meth:`observe` never reaches the loss: the rank then joins :meth:`reduce`
-    with NaN, so every rank ends with no figures (None) rather than a partial one.
+    as a rank that could not measure (:func:`verl_lrstab.mismatch.all_reduce_or_none`), so every
+    rank ends with no figures (None) rather than a partial one.
     """
 
     def __init__(self, n_sequences: int, threshold: float = mismatch.DEFAULT_THRESHOLD):

@@ -264,3 +264,30 @@ def test_other_schedulers_match_stock_verl(main_ppo, tmp_path_factory, sitecusto
         assert set(a) == set(b), set(a) ^ set(b)
         for key in ("actor/lr", "actor/grad_norm", "response_length/mean", "critic/score/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), (step, key)
+
+
+# -- 6. V1 colocate_async: the step tag through TransferQueue, staleness kept out of the detector ---------
+COLOCATE = TRAINER["v1"] + ["trainer.v1.trainer_mode=colocate_async",
+                            "~trainer.v1.sampler.custom_sampler"]  # ContentOrderedReplayBuffer is sync-only
+
+
+def test_colocate_async_feeds_the_length_and_keeps_stale_mismatch_out_of_the_detector(main_ppo):
+    """One actor update per trainer step; some batches were sampled one policy version back.
+
+    The run itself shows the step tag's transport (a missing tag fails the update). The
+    mismatch figures are logged on every step, jump on the stale steps (they measure staleness
+    too, here with float32 on both sides), and never reach the detector.
+    """
+    run = main_ppo("colocate-v1", SURGE + COLOCATE + ["trainer.total_training_steps=4"])
+    assert sorted(run.metrics) == [1, 2, 3, 4]
+    staleness = series(run.metrics, "training/off_policy/trajectory_staleness/mean")
+    k3 = series(run.metrics, "actor/mismatch/k3")
+    assert set(k3) == set(run.metrics)
+    assert any(v > 0 for v in staleness.values()), f"no stale batch in this run: {staleness}"
+    for step, data in run.metrics.items():
+        assert data["actor/lrstab/response_length"] == pytest.approx(data["response_length/mean"], rel=1e-9)
+        assert "actor/lrstab/mismatch_kl" not in data, step  # logged figures, never fed in an async mode
+        if staleness[step] == 0:
+            assert k3[step] < 1e-8, (step, k3[step])  # fresh: float32 both sides
+    stale = [k3[s] for s in k3 if staleness[s] > 0]
+    assert min(stale) > 1e3 * max(max(k3[s] for s in k3 if staleness[s] == 0), 1e-12), (k3, staleness)
