@@ -118,18 +118,18 @@ def bench_actor_update(quick: bool, repeats: int) -> list:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small shapes, fewer repeats")
-    p.add_argument("--repeats", type=int, default=None, help="pairs per measurement (default 12, --quick 6)")
+    p.add_argument("--repeats", type=int, default=None, help="pairs per measurement (default 20, --quick 8)")
     p.add_argument("--sections", default="rollout_correction,actor_update")
     args = p.parse_args(argv)
-    repeats = args.repeats or (6 if args.quick else 12)
+    repeats = args.repeats or (8 if args.quick else 20)
     rows = []
     for section in args.sections.split(","):
         rows += {"rollout_correction": bench_rollout_correction, "actor_update": bench_actor_update}[section](
             args.quick, repeats)
-    print(f"\n{'verl function (a run that does not name length_surge)':58s} {'verl ms':>9s} {'plugin ms':>9s} "
+    print(f"\n{'verl function (a run that does not name length_surge)':64s} {'verl ms':>9s} {'plugin ms':>9s} "
           f"{'ratio':>7s} {'± noise':>8s}")
     for name, a, b, noise in rows:
-        print(f"{name:58s} {1e3 * a:9.2f} {1e3 * b:9.2f} {b / a:7.3f} {noise:8.3f}")
+        print(f"{name:64s} {1e3 * a:9.2f} {1e3 * b:9.2f} {b / a:7.3f} {noise:8.3f}")
     print(f"(median of {repeats} alternating pairs; ratio = plugin / verl; noise = half the IQR of the pair ratios)")
     return 0
 

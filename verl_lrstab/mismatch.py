@@ -228,8 +228,8 @@ def finalize(stats: Optional[torch.Tensor], prefix: str = "mismatch/") -> Option
     Returns:
         ``{prefix + name: float}``, or None when ``stats`` is None, covers no response token,
         or holds NaN counts: nothing to log, no fake zeros. (A rank that could not measure
-        makes the all-reduce give None on every rank: :func:`all_reduce_or_none`.) Keys: k1, k3, seq_k1, seq_k3, max_abs_diff,
-        frac_over_thr, n_tokens, n_nonfinite.
+        makes the all-reduce give None on every rank: :func:`all_reduce_or_none`.) Keys: k1, k3,
+        seq_k1, seq_k3, max_abs_diff, frac_over_thr, n_tokens, n_nonfinite.
     """
     if stats is None:
         return None

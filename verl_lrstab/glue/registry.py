@@ -17,7 +17,8 @@ from verl_lrstab.glue.wraps import Wrap, apply, original, owner_of
 
 WRAPS: list = [
     Wrap("verl.workers.config", None, "FSDPOptimizerConfig", None,
-         lambda verl_cls: configs.make_config("LengthSurgeOptimizerConfig", verl_cls, require), configs.fsdp_config_checks,
+         lambda verl_cls: configs.make_config("LengthSurgeOptimizerConfig", verl_cls, require),
+         configs.fsdp_config_checks,
          also_in=("verl.workers.config.optimizer",)),
     Wrap("verl.workers.config", None, "McoreOptimizerConfig", None,
          lambda verl_cls: configs.make_config("LengthSurgeMcoreOptimizerConfig", verl_cls, require),
