@@ -209,6 +209,18 @@ def test_resume_from_a_stock_checkpoint_warns_and_keeps_length_surge(caplog):
     assert sched.surge_step == 15  # the detector works from the resumed step on
 
 
+def test_a_changed_option_is_named_as_on_fsdp(caplog):
+    # one behaviour on both engines (FedSchedule._restore_schedule; FSDP: tests/test_glue_v2.py)
+    opt, sched, _ = make({**FAST, "period_factor": 1.8})
+    drive(sched, opt, [100.0] * 3)
+    opt2, resumed, _ = make({**FAST, "period_factor": 1.2})
+    with caplog.at_level(logging.WARNING, logger="verl_lrstab"):
+        resumed.load_state_dict(roundtrip(sched.state_dict()))
+    assert "options changed since the checkpoint at update 3" in caplog.text
+    assert "'period_factor': (1.8, 1.2)" in caplog.text
+    assert resumed.config.period_factor == 1.2  # the configured options apply from now on
+
+
 def test_checkpoint_max_lr_wins_with_a_warning(caplog):
     opt, sched, _ = make(FAST)
     drive(sched, opt, [100.0] * 3)
