@@ -67,7 +67,7 @@ def main() -> None:
     from verl.utils import tensordict_utils as tu
 
     from verl_lrstab import mismatch
-    from verl_lrstab.glue.worker import STEP_POSITION_KEY
+    from verl_lrstab.glue.steps import STEP_POSITION_KEY
 
     if not Path(args.model, "config.json").exists():
         h.build_tiny_model(args.model)

@@ -191,7 +191,7 @@ def make_actor_batch(lengths: list[int], seed: int, world_size: int, rollout_log
 
     tag = {}
     if step_position is not None:
-        from verl_lrstab.glue.worker import STEP_POSITION_KEY
+        from verl_lrstab.glue.steps import STEP_POSITION_KEY
 
         tag = {STEP_POSITION_KEY: list(step_position)}
     gen = torch.Generator().manual_seed(seed)
@@ -275,7 +275,7 @@ def run_steps(worker, first: int, last: int, rank: int, world_size: int, rollout
         batch, logged_mean = make_actor_batch(lengths, seed=1000 * step + rank, world_size=world_size,
                                               rollout_log_probs=rollout_log_probs, step_position=v0_tag)
         if tag_steps and updates_per_step > 1:  # what the V1 separate_async driver glue adds
-            from verl_lrstab.glue.worker import STEP_POSITION_KEY
+            from verl_lrstab.glue.steps import STEP_POSITION_KEY
 
             # as V1 hands extra_info to the worker: one NonTensorData value (transferqueue_utils)
             tu.assign_non_tensor_data(batch, STEP_POSITION_KEY, [(step - 1) % updates_per_step, updates_per_step, 1])

@@ -13,7 +13,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from verl_lrstab import mismatch
 from verl_lrstab.glue import driver
 from verl_lrstab.glue.signals import global_length_stats, global_mismatch_stats, response_lengths
-from verl_lrstab.glue.worker import PRE_RS_STATS_KEY, STEP_POSITION_KEY, with_metrics
+from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, with_metrics
 
 PROMPT, RESP = 6, 8
 RESPONSE_LENS = [8, 3, 0, 5]  # one empty (aborted) response

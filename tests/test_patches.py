@@ -52,7 +52,7 @@ def test_v1_driver_wrap_tags_the_step_position_and_pre_rejection_stats(mode, is_
     from omegaconf import OmegaConf
 
     from verl_lrstab.glue import driver
-    from verl_lrstab.glue.worker import PRE_RS_STATS_KEY, STEP_POSITION_KEY
+    from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY
 
     seen = []
     wrapper = driver.make_v1_update_actor(lambda self, batch, metrics: seen.append(dict(batch.extra_info)))

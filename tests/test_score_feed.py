@@ -8,7 +8,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from verl_lrstab.glue.signals import global_score_stats, sequence_scores
-from verl_lrstab.glue.worker import StepAccumulator
+from verl_lrstab.glue.steps import StepAccumulator
 from test_glue import RESPONSE_LENS, padded_batch
 
 SCORES = [1.0, 0.0, 0.5, 1.0]  # one per sample, on its last response token (as verl's reward managers put it)

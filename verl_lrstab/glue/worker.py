@@ -20,13 +20,13 @@ import logging
 from verl_lrstab.bypass import is_bypass
 from verl_lrstab.glue import signals
 from verl_lrstab.glue.bypass import train_mini_batch_bypass
-from verl_lrstab.glue.steps import (  # noqa: F401 - re-exported: the step tag keys the driver sets
-    PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError, StepAccumulator, StepState, feed, feed_mismatch, state_of,
-    step_position, with_metrics)
+from verl_lrstab.glue.steps import (PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError, StepState, feed, feed_mismatch,
+                                    state_of, step_position, with_metrics)
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
 from verl_lrstab.schedule import FedSchedule
 
 logger = logging.getLogger("verl_lrstab")
+
 
 def make_train_mini_batch(original_fn):
     return dispatch(original_fn, _engine_has_our_scheduler, _train_mini_batch)
