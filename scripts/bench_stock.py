@@ -3,8 +3,8 @@
 functions, wrapped (plugin installed) vs verl's originals, side by side in one process.
 
 Not a timed test: a benchmark that prints ratios (target 1.000 within the noise it also prints).
-The two variants alternate call by call (A B A B ...) on the same inputs, so drift of the
-machine hits both alike; the ratio is median(wrapped) / median(original).
+The two variants alternate call by call (A B, B A, A B ...) on the same inputs, so drift of the
+machine and the order within a pair hit both alike; the ratio is median(wrapped) / median(original).
 
 - ``rollout_correction``: verl's ``compute_rollout_correction_and_add_to_batch`` (the driver's
   rollout correction) on a ``DataProto`` of 512 x 8192 tokens (``--quick``: 64 x 1024) with
@@ -42,8 +42,9 @@ def side_by_side(run_a, run_b, repeats: int) -> tuple:
     """
     run_a(), run_b()  # warm-up
     a, b = [], []
-    for _ in range(repeats):
-        for fn, out in ((run_a, a), (run_b, b)):
+    for i in range(repeats):  # A B, then B A: who runs first (allocator, caches) alternates too
+        pair = ((run_a, a), (run_b, b)) if i % 2 == 0 else ((run_b, b), (run_a, a))
+        for fn, out in pair:
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
