@@ -91,8 +91,8 @@ test-unit: install
 	$(PY) -m pytest -m "not e2e" -q
 
 ## Every end-to-end check, larger forms included (V0 and V1, resume, stock parity, Megatron's worker).
-test-e2e: install install-megatron install-vllm
-	$(PY) -m pytest -m e2e -q -rs
+test-e2e: install install-megatron install-vllm install-real
+	LRSTAB_REQUIRE_REAL=1 $(PY) -m pytest -m e2e -q -rs
 
 ## The Megatron tests alone (megatron-core 0.16, Python 3.11; also part of make test).
 test-megatron: install-megatron
