@@ -79,11 +79,8 @@ def make_v1_update_actor(original_fn):
     def tag_then_update(original, self, *args, **kwargs):
         batch = argument((self,) + args, kwargs, 1, "batch")
         count = int(getattr(self, "parameter_sync_step", 1) or 1)
-        tag = [int(getattr(self, "local_trigger_step", 0) or 0), count, int(trainer_mode(self.config) in ASYNC_MODES)]
-        batch.extra_info[STEP_POSITION_KEY] = tag
-        stats = _pop_pre_rs_stats()
-        if stats is not None:
-            batch.extra_info[PRE_RS_STATS_KEY] = stats
+        index = int(getattr(self, "local_trigger_step", 0) or 0)
+        _tag(batch.extra_info, [index, count, int(trainer_mode(self.config) in ASYNC_MODES)])
         return original(self, *args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
@@ -102,10 +99,7 @@ def v1_trainer_checks(module, fn):
 def make_v0_update_actor(original_fn):
     def tag_then_update(original, self, *args, **kwargs):
         batch = argument((self,) + args, kwargs, 1, "batch")
-        batch.meta_info[STEP_POSITION_KEY] = [0, 1, 0]
-        stats = _pop_pre_rs_stats()
-        if stats is not None:
-            batch.meta_info[PRE_RS_STATS_KEY] = stats
+        _tag(batch.meta_info, [0, 1, 0])  # V0: one update per trainer step, never async
         return original(self, *args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
@@ -116,6 +110,14 @@ def v0_trainer_checks(module, fn):
         *source_contains(fn, "batch_td = batch.to_tensordict()", "left_right_2_no_padding(batch_td)")
     yield "V0 RayPPOTrainer.__init__ keeps the config as self.config", *source_contains(
         module.RayPPOTrainer.__init__, "self.config = config")
+
+
+def _tag(info: dict, position: list) -> None:
+    """Put the step position, and the pre-rejection stats if any, where verl hands them to the worker."""
+    info[STEP_POSITION_KEY] = position
+    stats = _pop_pre_rs_stats()
+    if stats is not None:
+        info[PRE_RS_STATS_KEY] = stats
 
 
 def make_rollout_correction(original_fn):

@@ -98,8 +98,7 @@ def _guard_module(module) -> None:
 
         def __init__(self, *args, _init=init, **kwargs):
             options = kwargs.pop("length_surge", None)
-            if SCHEDULER_NAME in (kwargs.get("lr_scheduler_type"), kwargs.get("warmup_style"),
-                                  kwargs.get("lr_decay_style")):
+            if _names_length_surge(kwargs.get):
                 check_usable()
             if options:
                 logger.warning("verl-lrstab: %s.length_surge is ignored: the plugin failed to load, and the run "
@@ -111,12 +110,16 @@ def _guard_module(module) -> None:
             cls.__init__ = __init__
         if post_init is not None:
             def __post_init__(self, _original=post_init):
-                if SCHEDULER_NAME in (getattr(self, "lr_scheduler_type", None), getattr(self, "warmup_style", None),
-                                      getattr(self, "lr_decay_style", None)):
+                if _names_length_surge(lambda key: getattr(self, key, None)):
                     check_usable()
                 _original(self)
 
             cls.__post_init__ = __post_init__
+
+
+def _names_length_surge(get) -> bool:
+    """Whether a config names length_surge under any of verl's scheduler keys (``get(key)`` reads one)."""
+    return SCHEDULER_NAME in (get("lr_scheduler_type"), get("warmup_style"), get("lr_decay_style"))
 
 
 def _guard_failed(name: str, exc: BaseException) -> None:
