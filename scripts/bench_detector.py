@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Surge detectors side by side on labelled runs: detections, false alarms, lead before the crash.
 
-Runs: the seeded class A-G runs of issue 10 (``scripts/phenomena.py``, 8 seeds each, with
-score / mismatch-k3 / clip-ratio columns; also logged every 5 and every 10 steps), the 34
+Runs: the seeded class A-H runs of issues 10 and 21 (``scripts/phenomena.py``, 40 seeds each, with
+score / mismatch-k3 / clip-ratio columns), each in seven log forms (``FORMS``: dense; the score on
+every 4th or 10th row only, or forward-filled from every 10th, or absent; every column logged
+every 5 or 10 steps), the 34
 length-only synthetic traces (``scripts/traces``, ``scripts/synthetic_traces.py``) and the real
 traces of ``--real DIR`` (default ``../shared/traces``; read-only, fed as logged). Rules:
 
@@ -16,11 +18,11 @@ traces of ``--real DIR`` (default ``../shared/traces``; read-only, fed as logged
 - ``trailing ratio``: mean of the last 5 observations >= 1.5 x the mean of the 50 before them;
 - ``3x-first-50``: baseline = mean over the steps <= 50; the first later value > 3x baseline.
 
-Scoring: A is detected when the rule fires between the onset and the crash (the first step with
+A "hit" of A, B, G must come in every form; any firing on C, D, E, F, H in any form is a false
+alarm. Scoring: A is detected when the rule fires between the onset and the crash (the first step with
 accuracy below 0.5); lead = crash - detection. B is detected when it fires between the onset and
 the step the length reaches the cap (``rise_end``). G is detected on its 10x excursion (up to 10
-steps after it) or on the later surge before its crash. Any firing on C, D, E, F is a false
-alarm. Writes ``--out`` (default docs/detector_benchmark.md)::
+steps after it) or on the later surge before its crash. Writes ``--out`` (default docs/detector_benchmark.md)::
 
     python scripts/bench_detector.py
 """
@@ -47,7 +49,7 @@ from verl_lrstab.config import LengthSurgeConfig  # noqa: E402
 from verl_lrstab.runs import load_run, metric_series  # noqa: E402
 from verl_lrstab.schedule import replay  # noqa: E402
 
-SEEDS = range(8)
+SEEDS = range(40)
 # Real traces: (class, onset, crash, length column, score column, clip column), from their # lines:
 # onset = the first logged step at >= 1.5x the first logged value; crash = the collapse step.
 REAL = {
@@ -104,15 +106,31 @@ RULES: dict[str, Callable] = {"cusum": _cusum, "cusum, no KL": lambda r: _cusum(
 
 
 # -- runs -----------------------------------------------------------------------------------------
-def phenomena_runs(seeds=SEEDS, every: int = 1, classes=phenomena.CLASSES) -> list[dict]:
+def phenomena_runs(seeds=SEEDS, every: int = 1, classes=phenomena.CLASSES, score: str = "dense",
+                   score_every: int = 10) -> list[dict]:
+    """The class runs as dicts; ``every``: every column logged every N steps; ``score``: a
+    :func:`phenomena.sparse_score` form of the score column (``score_every``: its period)."""
     runs = []
     for tr in phenomena.traces(seeds=seeds, classes=classes):
         keep = [i for i, s in enumerate(tr.steps) if (s - 1) % every == 0]
         pick = lambda col: [float(col[i]) for i in keep]  # noqa: E731
         runs.append({"name": tr.name, "cls": tr.cls, "expect": tr.expect, "onset": tr.onset, "crash": tr.crash,
                      "rise_end": tr.rise_end, "excursion": tr.excursion, "steps": [tr.steps[i] for i in keep],
-                     "length": pick(tr.length), "score": pick(tr.score), "k3": pick(tr.k3), "clip": pick(tr.clip)})
+                     "length": pick(tr.length), "score": pick(phenomena.sparse_score(tr.score, score, score_every)),
+                     "k3": pick(tr.k3), "clip": pick(tr.clip)})
     return runs
+
+
+# The log forms every class is run in: (label, phenomena_runs keyword arguments)
+FORMS = {
+    "dense": {},
+    "score every 4 steps": {"score": "every", "score_every": 4},
+    "score every 10 steps": {"score": "every", "score_every": 10},
+    "score every 10, forward-filled": {"score": "filled", "score_every": 10},
+    "no score": {"score": "none"},
+    "logged every 5 steps": {"every": 5},
+    "logged every 10 steps": {"every": 10},
+}
 
 
 def synthetic_runs(directory: Path = SYNTHETIC_DIR) -> list[dict]:
@@ -196,9 +214,39 @@ def summary(groups: dict[str, list[dict]]) -> str:
         row(f"B detected during the rise{tag} (of {len(by['B'])})", lambda n: str(hits(by["B"], n)))
         row(f"B lead, median / min{tag}", lambda n: leads(by["B"], n))
         row(f"G detected (excursion or surge){tag} (of {len(by['G'])})", lambda n: str(hits(by["G"], n)))
-        for c in "CDEF":
+        for c in "CDEFH":
             row(f"false alarms on {c}{tag} (of {len(by[c])})",
                 lambda n, c=c: str(sum(r["fired"][n] is not None for r in by[c])))
+    return "\n".join(lines)
+
+
+def summary_forms(groups: dict[str, list[dict]], rule: str = "cusum") -> str:
+    """One rule across the log forms: the table the README carries."""
+    keys = list(groups)
+    lines = ["| class: figure | " + " | ".join(keys) + " |", "|" + "---|" * (1 + len(keys))]
+
+    def row(label, fn):
+        lines.append(f"| {label} | " + " | ".join(fn(groups[k]) for k in keys) + " |")
+
+    def of(runs, c):
+        return [r for r in runs if r["cls"] == c]
+
+    def hit(runs, c):
+        sel = of(runs, c)
+        return f"{sum(outcome(r, r['fired'][rule]) == 'hit' for r in sel)} / {len(sel)}"
+
+    def lead(runs, c):
+        vals = [_lead(r, rule) for r in of(runs, c) if outcome(r, r["fired"][rule]) == "hit"]
+        return f"{statistics.median(vals):g} / {min(vals)}" if vals else "-"
+
+    row("A: detected before the crash", lambda runs: hit(runs, "A"))
+    row("A: lead, median / min", lambda runs: lead(runs, "A"))
+    row("B: detected during the rise", lambda runs: hit(runs, "B"))
+    row("B: lead, median / min", lambda runs: lead(runs, "B"))
+    row("G: detected", lambda runs: hit(runs, "G"))
+    for c in "CDEFH":
+        row(f"{c}: false alarms", lambda runs, c=c: f"{sum(r['fired'][rule] is not None for r in of(runs, c))} / "
+                                                   f"{len(of(runs, c))}")
     return "\n".join(lines)
 
 
@@ -246,11 +294,11 @@ def per_run_table(runs: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--real", type=Path, default=ROOT.parent / "shared" / "traces")
-    parser.add_argument("--seeds", type=int, default=len(SEEDS), help="seeds per class (default 8)")
+    parser.add_argument("--seeds", type=int, default=len(SEEDS), help=f"seeds per class (default {len(SEEDS)})")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "detector_benchmark.md")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the cusum rules, e.g. cusum_score_z=3.0 (repeatable; implies --out '')")
-    parser.add_argument("--classes", default=phenomena.CLASSES, help="classes A-G to run (default: all)")
+    parser.add_argument("--classes", default=phenomena.CLASSES, help="classes A-H to run (default: all)")
     args = parser.parse_args()
     for item in args.set:
         key, _, value = item.partition("=")
@@ -259,23 +307,23 @@ def main() -> None:
     if OPTIONS:
         args.out = None  # the committed report is the defaults'
     seeds = range(args.seeds)
-    groups = {"dense": phenomena_runs(seeds, classes=args.classes),
-              "logged every 5 steps": phenomena_runs(seeds, 5, args.classes),
-              "logged every 10 steps": phenomena_runs(seeds, 10, args.classes)}
+    groups = {key: phenomena_runs(seeds, classes=args.classes, **kw) for key, kw in FORMS.items()}
     for key, runs in groups.items():
         score_all(runs, key)
     synthetic, real = synthetic_runs(), real_runs(args.real)
     score_all(synthetic + real, "34 traces + real")
+    forms = summary_forms(groups)
     head = summary(groups)
     tail = summary_synthetic(synthetic, real)
-    print(head + "\n\n" + tail)
+    print(forms + "\n\n" + head + "\n\n" + tail)
     if args.out:
         cfg = LengthSurgeConfig().detector_kwargs()
         args.out.write_text(
             "# Detector benchmark\n\n" + __doc__.split("\n\n", 1)[1].split("Writes ``--out``")[0].strip()
             + f"\n\nGenerated by `python scripts/bench_detector.py` ({args.seeds} seeds per class). "
             f"`cusum` defaults: {', '.join(f'{k}={v}' for k, v in cfg.items())}.\n\n"
-            "## Classes A-G and the 34 traces\n\n" + head + "\n\n" + tail
+            "## `cusum` in every log form\n\n" + forms
+            + "\n\n## Every rule, classes A-H and the 34 traces\n\n" + head + "\n\n" + tail
             + "\n\n## Every run (dense logs)\n\nCells: detection step; **miss** / **late** / **early** / "
             "**false alarm** in bold.\n\n" + per_run_table(groups["dense"])
             + "\n\n## The 34 length-only traces and the real traces\n\n" + per_run_table(synthetic + real) + "\n")

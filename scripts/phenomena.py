@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Seeded synthetic runs of the phenomena of issue 10 (classes A-G), with co-signal columns.
+"""Seeded synthetic runs of the phenomena of issues 10 and 21 (classes A-H), with co-signal columns.
 
 Each run is one row per step with the figures verl logs: ``response_length/mean``,
 ``critic/score/mean`` (batch accuracy), ``actor/mismatch/k3`` and ``response_length/clip_ratio``.
@@ -22,6 +22,12 @@ cap and the times within the stated ranges, so the set is not one curve copied:
   length rise.
 - **G** a 10x excursion within 8 steps that reverts, then 150-400 steps later an A-like
   surge-and-collapse: firing on either is a detection.
+- **H** long healthy run (issue 21): 800-1200 steps, noise 5-10 %, slow growth to 1.2-1.8x, 3-8
+  short excursions of 1.3-2x that revert within 5-15 steps; accuracy rises slowly; flat k3. Real
+  logs of this kind often carry the score on every 10th row only (:func:`sparse_score`).
+
+:func:`sparse_score` turns any run's score column into the forms real logs have: every k-th row
+only (NaN elsewhere), the same forward-filled, or absent.
 
 Ground truth goes in ``#`` lines (``class``, ``expect``, ``onset``, ``crash``, ``rise_end``,
 ``excursion``). ``python scripts/phenomena.py`` writes seed 0 of each class to
@@ -40,7 +46,7 @@ import numpy as np
 
 LENGTH, SCORE, K3, CLIP = ("response_length/mean", "critic/score/mean", "actor/mismatch/k3",
                            "response_length/clip_ratio")
-CLASSES = "ABCDEFG"
+CLASSES = "ABCDEFGH"
 SEEDS = range(8)
 OUT = Path(__file__).resolve().parent / "traces" / "classes"
 
@@ -235,6 +241,57 @@ def class_g(rng, name) -> Trace:
     return trace
 
 
+def class_h(rng, name) -> Trace:
+    n, plateau, cv = int(rng.integers(800, 1201)), rng.uniform(300, 1000), rng.uniform(0.05, 0.10)
+    t = np.arange(1, n + 1)
+    growth = rng.uniform(1.2, 1.8)
+    level = plateau * growth ** (t / n)
+    excursions = []
+    for _ in range(int(rng.integers(3, 9))):
+        for _try in range(50):
+            at = int(rng.integers(60, n - 20))
+            if all(abs(at - e) > 60 for e, _, _ in excursions):
+                excursions.append((at, int(rng.integers(5, 16)), rng.uniform(1.3, 2.0)))
+                break
+    for at, dur, amp in excursions:
+        x = np.clip((t - at) / dur, 0, 1)
+        level = level * np.exp(np.log(amp) * np.sin(np.pi * x) ** 2)
+    cap = plateau * growth * rng.uniform(3, 5)  # 3-5x the final level: a healthy run's truncation stays low
+    acc = 0.3 + 0.3 * t / n
+    exc = ", ".join(f"{amp:.2f}x at {at} ({dur} steps)" for at, dur, amp in sorted(excursions))
+    return Trace(name, "H", "no_fire", f"H: {n} steps, plateau {plateau:.0f}, noise {cv:.0%}, growth {growth:.2f}x, "
+                 f"excursions {exc}", _noisy_length(rng, level, cv, cap), _noisy_score(rng, acc, 512),
+                 _noisy_k3(rng, np.full(n, 5e-4)), _clip_ratio(rng, level, cap))
+
+
+SCORE_FORMS = ("dense", "every", "filled", "none")
+
+
+def sparse_score(score: np.ndarray, form: str = "dense", every: int = 10) -> np.ndarray:
+    """A score column as real logs carry it.
+
+    Args:
+        score: the dense column (one value per step).
+        form: ``dense`` (as is), ``every`` (rows 1, 1 + every, ... only, NaN elsewhere: a validation
+            accuracy in a wandb export), ``filled`` (the same, forward-filled to every row) or
+            ``none`` (all NaN: a log without a score).
+        every: the logging period of ``every`` and ``filled``.
+    """
+    if form not in SCORE_FORMS:
+        raise ValueError(f"form {form!r}: allowed values are {list(SCORE_FORMS)}")
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    out = np.asarray(score, dtype=float).copy()
+    if form == "dense":
+        return out
+    if form == "none":
+        return np.full_like(out, np.nan)
+    logged = np.arange(len(out)) % every == 0
+    if form == "every":
+        return np.where(logged, out, np.nan)
+    return out[np.maximum.accumulate(np.where(logged, np.arange(len(out)), 0))]
+
+
 def traces(seeds=SEEDS, classes=CLASSES) -> list[Trace]:
     """Every class for every seed (deterministic: the generator is seeded by class, seed and variant)."""
     out = []
@@ -244,7 +301,8 @@ def traces(seeds=SEEDS, classes=CLASSES) -> list[Trace]:
             for v in variants:
                 name = f"{cls}{'_' + v if v else ''}_s{seed}"
                 rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-                make = {"A": class_a, "B": class_b, "C": class_c, "D": class_d, "E": class_e, "G": class_g}
+                make = {"A": class_a, "B": class_b, "C": class_c, "D": class_d, "E": class_e, "G": class_g,
+                        "H": class_h}
                 out.append(class_f(rng, name, v) if cls == "F" else make[cls](rng, name))
     return out
 

@@ -160,31 +160,98 @@ def feed(tr, every=1, cosignals=True, det=None, start=1, stop=None):
     return det, fired
 
 
-# Computed once with the default options and written down (not searched for): the README's
-# benchmark rests on these. (run, expected with co-signals, length only, logged every 5, every 10)
-CLASS_EXPECTATIONS = [
-    ("A_s0", [131], [135], [136], [141]),  # onset 126, accuracy < 0.5 at 140: 9 steps of lead
-    ("B_s0", [132], [132], [146], [151]),  # onset 114, cap reached at 151
-    ("C_s0", [], [45], [], []),  # healthy rebound: the rising accuracy holds it; length only fires
-    ("D_s0", [], [1420], [], []),  # 3081 steps, excursions: the flat score holds them; length only fires
-    ("E_s0", [], [], [], []),
-    ("F_short_s0", [], [], [], []),
-    ("F_kl_drift_s0", [], [], [], []),
-    ("G_s0", [111], [110], [426], [431]),  # 10x excursion at 107-115 (a runaway), or the surge at 419 (sparse)
-]
+def feed_form(tr, form="dense", every=1):
+    """Feed a phenomena run with its score in a :func:`phenomena.sparse_score` form; the firing steps."""
+    score = phenomena.sparse_score(tr.score, form, every)
+    det = CusumDetector()
+    return [s for i, s in enumerate(tr.steps)
+            if det.update(s, tr.length[i], score=score[i], kl=tr.k3[i], clip_ratio=tr.clip[i])]
 
 
-@pytest.mark.parametrize("name,cos,length_only,every5,every10", CLASS_EXPECTATIONS)
-def test_cusum_on_each_class_fires_where_pinned(name, cos, length_only, every5, every10):
-    tr = RUNS[name]
-    assert feed(tr)[1] == cos
-    assert feed(tr, cosignals=False)[1] == length_only
-    assert feed(tr, every=5)[1] == every5  # sparse logs: windows count steps, not rows
-    assert feed(tr, every=10)[1] == every10
+SCORE_FORMS = [("dense", 1), ("every", 4), ("every", 5), ("every", 10), ("filled", 10), ("none", 1)]
+
+
+def expected_outcome(tr, fired):
+    """What issue 21 asks of each class: a detection before the crash (A), during the rise (B), on
+    the excursion or the later surge (G); no firing at all on the healthy classes."""
+    if tr.expect == "no_fire":
+        return fired == []
+    if not fired:
+        return False
+    f = fired[0]
     if tr.cls == "A":
-        assert tr.onset <= cos[0] <= tr.crash - 8  # the issue's bar: 8 steps before accuracy < 0.5
+        return tr.onset <= f < tr.crash
     if tr.cls == "B":
-        assert tr.onset <= cos[0] <= tr.rise_end  # during the rise
+        return tr.onset <= f <= tr.rise_end
+    e0, e1 = tr.excursion
+    return e0 <= f <= e1 + 10 or tr.onset <= f < tr.crash
+
+
+@pytest.mark.parametrize("cls", phenomena.CLASSES)
+def test_cusum_decides_each_class_alike_whatever_the_score_form(cls):
+    # dense, on every 4th / 5th / 10th row only, forward-filled, or absent: the same verdict
+    for tr in phenomena.traces(seeds=range(3), classes=cls):
+        for form, every in SCORE_FORMS:
+            fired = feed_form(tr, form, every)
+            assert expected_outcome(tr, fired), (tr.name, form, every, fired, tr.doc)
+
+
+@pytest.mark.parametrize("cls", "CDEFH")
+def test_cusum_healthy_classes_stay_quiet_in_sparse_logs(cls):
+    for tr in phenomena.traces(seeds=range(3), classes=cls):
+        for every in (5, 10):
+            assert feed(tr, every=every)[1] == [], (tr.name, every)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_cusum_a_forward_filled_score_decides_exactly_as_the_sparse_one(name):
+    tr = RUNS[name]
+    assert feed_form(tr, "filled", 10) == feed_form(tr, "every", 10)
+    assert feed_form(tr, "filled", 4) == feed_form(tr, "every", 4)
+
+
+def test_cusum_fast_collapse_lead():
+    # class A: accuracy below 0.5 12-15 steps after the onset; the issue's bar is a median lead of
+    # at least 10 steps (measured over 40 seeds by scripts/bench_detector.py); here 8 seeds, none late
+    leads = []
+    for tr in phenomena.traces(seeds=range(8), classes="A"):
+        (f,) = feed(tr)[1]
+        assert tr.onset <= f < tr.crash
+        leads.append(tr.crash - f)
+    assert sorted(leads)[len(leads) // 2] >= 9 and min(leads) >= 5, leads
+
+
+def test_cusum_an_alarm_never_fires_because_the_score_went_missing():
+    # A length rise with a rising score is held (learning). The old detector fired once the score
+    # had been missing for 5 steps; a missing score is now held at its last observations.
+    rng = random.Random(1)
+    lengths = [1000.0 * (1.6 if s >= 60 else 1.0) * (1 + rng.gauss(0, 0.02)) for s in range(1, 161)]
+    rising = [0.5 + (0.004 * (s - 55) if s >= 55 else 0) + rng.gauss(0, 0.005) for s in range(1, 161)]
+    for gone_from in (63, 70, 90):
+        det = CusumDetector()
+        fired = [s for s, (v, sc) in enumerate(zip(lengths, rising), 1)
+                 if det.update(s, v, score=sc if s < gone_from else math.nan, kl=1e-3)]
+        assert fired == [], gone_from
+        assert det.armed_step is not None or det.cusum == 0.0
+
+
+def test_cusum_the_rebound_exemption_holds_with_a_score():
+    # class C (the early drop and climb back): the length alarms are raised (or not, a rebound)
+    # the same whether the score is dense, sparse or absent (the rebound test no longer skips
+    # runs that have a score), and none of them fires
+    for tr in phenomena.traces(seeds=range(4), classes="C"):
+        alarms = {}
+        for form, every in SCORE_FORMS:
+            score = phenomena.sparse_score(tr.score, form, every)
+            det = CusumDetector()
+            armed, fired = set(), []
+            for i, s in enumerate(tr.steps):
+                if det.update(s, tr.length[i], score=score[i], kl=tr.k3[i], clip_ratio=tr.clip[i]):
+                    fired.append(s)
+                armed.add(det.armed_step)
+            assert fired == [], (tr.name, form)
+            alarms[(form, every)] = armed - {None}
+        assert len(set(map(frozenset, alarms.values()))) == 1, (tr.name, alarms)
 
 
 def test_cusum_score_decides_between_learning_and_collapse():
@@ -248,13 +315,14 @@ def test_cusum_nan_and_empty_steps_never_crash_or_fire(caplog):
 
 def test_cusum_nan_steps_inside_a_surge_do_not_hide_it():
     tr = RUNS["A_s0"]
+    (dense,) = feed(tr)[1]
     det = CusumDetector()
     fired = []
     for i, s in enumerate(tr.steps):
         value = math.nan if s % 4 == 0 else tr.length[i]  # every 4th batch lost
         if det.update(s, value, score=tr.score[i], kl=tr.k3[i], clip_ratio=tr.clip[i]):
             fired.append(s)
-    assert fired == [131]
+    assert len(fired) == 1 and tr.onset <= fired[0] < tr.crash and fired[0] - dense <= 3
 
 
 @pytest.mark.parametrize("name,split", [("A_s0", 129), ("G_s0", 110), ("C_s0", 33)])
@@ -273,9 +341,13 @@ def test_cusum_resume_mid_surge_continues_identically(name, split):
 
 
 def test_cusum_armed_state_survives_resume():
-    tr = RUNS["C_s0"]
-    det, _ = feed(tr, stop=33)
-    assert det.armed_step == 28  # the healthy rebound's alarm, held: the score rises
+    # a length rise held by a rising score: armed, waiting; the state restores it exactly
+    rng = random.Random(1)
+    det = CusumDetector()
+    for s in range(1, 71):
+        det.update(s, 1000.0 * (1.6 if s >= 60 else 1.0) * (1 + rng.gauss(0, 0.02)),
+                   score=0.5 + (0.004 * (s - 55) if s >= 55 else 0))
+    assert det.armed_step is not None and det.surge_step is None
     fresh = CusumDetector()
     fresh.load_state_dict(det.state_dict())
     assert fresh.armed_step == det.armed_step and fresh.cusum == det.cusum
@@ -319,15 +391,14 @@ def test_cusum_long_run_after_an_early_rebound_stays_quiet(seed):
     assert fired == []
 
 
-@pytest.mark.parametrize("name,expected", [("A_s0", [131]), ("B_s0", [134]), ("C_s0", []), ("D_s0", []),
-                                           ("E_s0", []), ("G_s0", [111])])
-def test_cusum_without_mismatch_kl(name, expected):
+@pytest.mark.parametrize("cls", "ABCDEGH")
+def test_cusum_without_mismatch_kl(cls):
     # Most verl logs have the score and the clip ratio but no mismatch figures. B's accuracy only
     # sags (0.88 -> 0.82) during a slow rise: the fall is measured against the score 20-60 steps back too.
-    tr = RUNS[name]
-    det = CusumDetector()
-    assert [s for i, s in enumerate(tr.steps)
-            if det.update(s, tr.length[i], score=tr.score[i], clip_ratio=tr.clip[i])] == expected
+    for tr in phenomena.traces(seeds=range(2), classes=cls):
+        det = CusumDetector()
+        fired = [s for i, s in enumerate(tr.steps) if det.update(s, tr.length[i], score=tr.score[i], clip_ratio=tr.clip[i])]
+        assert expected_outcome(tr, fired), (tr.name, fired)
 
 
 def _paper_like(seed: int, rise_steps: int):

@@ -236,14 +236,16 @@ def test_v0_driver_wrap_tags_the_step_and_hands_the_pre_rejection_stats_to_the_w
     sent = []
     wrapper = driver.make_v0_update_actor(
         lambda self, batch: sent.append(left_right_2_no_padding(batch.to_tensordict())))  # as _update_actor does
-    config = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "length_surge"}}}})
+    config = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "length_surge"}},
+                                                     "rollout": {"response_length": 48}}})
     batch = DataProto.from_dict(tensors=padded_batch())
     stats = mismatch.compute_stats(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
                                    batch.batch["response_mask"]).tolist()
     driver._run.pre_rs = stats
     wrapper(SimpleNamespace(config=config), batch)
     assert tu.pop(sent[0], key=PRE_RS_STATS_KEY, default=None) == stats
-    assert list(tu.pop(sent[0], key=STEP_POSITION_KEY, default=None)) == [0, 1, 0]  # V0: one update per step, sync
+    # V0: one update per step, sync; the rollout's response cap
+    assert list(tu.pop(sent[0], key=STEP_POSITION_KEY, default=None)) == [0, 1, 0, 48]
     assert driver._pop_pre_rs_stats() is None  # consumed: never handed to a later batch
     # a stock run's batch is untouched
     config.actor_rollout_ref.actor.optim.lr_scheduler_type = "cosine"
@@ -252,3 +254,82 @@ def test_v0_driver_wrap_tags_the_step_and_hands_the_pre_rejection_stats_to_the_w
     assert tu.pop(sent[1], key=STEP_POSITION_KEY, default=None) is None
     assert tu.pop(sent[1], key=PRE_RS_STATS_KEY, default=None) is None
     driver._run.pre_rs = None
+
+
+# -- the clip ratio against the rollout's cap (issue 21) -------------------------------------------
+def padded_to(width: int) -> dict:
+    """``padded_batch()`` with the response side padded to ``width`` tokens (as a rollout padding
+    to its cap would), plus what verl's ``compute_data_metrics`` reads."""
+    import torch.nn.functional as F
+
+    batch = padded_batch()
+    extra = width - RESP
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        batch[key] = F.pad(batch[key], (0, extra))
+    for key in ("responses", "response_mask", "old_log_probs", "rollout_log_probs"):
+        batch[key] = F.pad(batch[key], (0, extra))
+    bs = len(RESPONSE_LENS)
+    batch["prompts"] = batch["input_ids"][:, :PROMPT]
+    for key in ("token_level_scores", "token_level_rewards", "advantages", "returns"):
+        batch[key] = torch.zeros(bs, width)
+    return batch
+
+
+def verl_clip_ratio(width: int) -> float:
+    from verl.trainer.ppo.metric_utils import compute_data_metrics
+
+    return compute_data_metrics(DataProto.from_dict(tensors=padded_to(width)), use_critic=False)[
+        "response_length/clip_ratio"]
+
+
+@pytest.mark.parametrize("cap", [RESP, 16])
+def test_clip_ratio_against_the_cap_equals_verls_figure_on_a_batch_padded_to_the_cap(cap):
+    # verl's response_length/clip_ratio counts responses as long as the batch's padded width; the
+    # glue's counts responses at the rollout's cap. On a batch padded to the cap they are the same
+    # figure: 1 of 4 responses (8 tokens) at cap 8, none at cap 16.
+    expected = verl_clip_ratio(cap)
+    assert expected == pytest.approx(0.25 if cap == RESP else 0.0)
+    v0 = left_right_2_no_padding(DataProto.from_dict(tensors=padded_to(cap)).to_tensordict())
+    for data in (v0, v1_worker_batch()):
+        total, count, at_cap = global_length_stats(data, cap=cap)
+        assert at_cap / count == pytest.approx(expected)
+        assert total / count == pytest.approx(sum(RESPONSE_LENS) / len(RESPONSE_LENS))
+
+
+def test_clip_ratio_is_against_the_cap_not_the_batch_width():
+    # the same batch, padded to its widest response (8) as V0 pads it: verl's figure says 1/4
+    # responses are clipped, but with a cap of 16 none is: the glue feeds 0
+    assert verl_clip_ratio(RESP) == pytest.approx(0.25)
+    assert global_length_stats(v0_worker_batch(), cap=16)[2] == 0.0
+
+
+def test_the_step_feeds_the_clip_ratio_over_its_updates():
+    from verl_lrstab.glue.steps import StepAccumulator
+
+    acc = StepAccumulator()
+    acc.add_length([30.0, 4.0, 1.0])
+    acc.add_length([10.0, 4.0, 2.0])
+    assert acc.clip_ratio() == pytest.approx(3 / 8)
+    acc.reset()
+    acc.add_length([30.0, 4.0])  # no cap known: no clip ratio, never a made-up 0
+    assert acc.clip_ratio() is None
+    acc.reset()
+    acc.add_length(None)
+    assert acc.clip_ratio() is None
+
+
+@pytest.mark.parametrize("tag,expected", [([0, 1, 0], (0, 1, False, 0)), ([1, 2, 1, 256], (1, 2, True, 256))])
+def test_step_position_carries_the_response_cap(tag, expected):
+    from verl_lrstab.glue.steps import step_position
+
+    assert step_position(tag) == expected
+
+
+def test_the_driver_reads_the_response_cap_from_verls_config():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"data": {"max_response_length": 512},
+                            "actor_rollout_ref": {"rollout": {"response_length": "${data.max_response_length}"}}})
+    assert driver.response_cap(cfg) == 512
+    assert driver.response_cap(OmegaConf.create({"data": {"max_response_length": 64}})) == 64
+    assert driver.response_cap(OmegaConf.create({})) == 0

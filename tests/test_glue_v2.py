@@ -263,7 +263,6 @@ def test_verls_own_post_init_runs_for_stock_and_length_surge_configs(monkeypatch
     ({"num_cycles": 1.0}, r"optim\.num_cycles=1\.0 is not read by lr_scheduler_type=length_surge"),
     ({"min_lr_ratio": 0.2}, r"optim\.min_lr_ratio=0\.2 is not read"),
     ({"zero_indexed_step": False}, r"optim\.zero_indexed_step=False is not read"),
-    ({"length_surge": {"cusum_clip_rise": 0.5}}, r"length_surge\.cusum_clip_rise=0\.5 is invalid in training"),
     ({"length_surge": {"max_surges": 2}}, r"length_surge\.max_surges=2 is invalid in training"),
     ({"length_surge": {"patience": 5}}, r"length_surge\.patience=5 is invalid.*detector='cusum' and trigger='length'"),
     ({"length_surge": {"mismatch_budget": 1e-3}}, r"length_surge\.mismatch_budget=0\.001 is invalid.*trigger='length'"),

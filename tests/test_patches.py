@@ -57,11 +57,12 @@ def test_v1_driver_wrap_tags_the_step_position_and_pre_rejection_stats(mode, is_
     seen = []
     wrapper = driver.make_v1_update_actor(lambda self, batch, metrics: seen.append(dict(batch.extra_info)))
     config = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "length_surge"}}},
-                               "trainer": {"use_v1": True, "v1": {"trainer_mode": mode}}})
+                               "trainer": {"use_v1": True, "v1": {"trainer_mode": mode}},
+                               "data": {"max_response_length": 96}})
     trainer = SimpleNamespace(config=config, parameter_sync_step=4, local_trigger_step=2)
     driver._run.pre_rs = [1.0, 2.0]
     wrapper(trainer, SimpleNamespace(extra_info={"epochs": 1}), {})
-    assert seen == [{"epochs": 1, STEP_POSITION_KEY: [2, 4, is_async], PRE_RS_STATS_KEY: [1.0, 2.0]}]
+    assert seen == [{"epochs": 1, STEP_POSITION_KEY: [2, 4, is_async, 96], PRE_RS_STATS_KEY: [1.0, 2.0]}]
     assert driver._pop_pre_rs_stats() is None  # consumed: never handed to a later batch
     # a stock run's batch is untouched
     config.actor_rollout_ref.actor.optim.lr_scheduler_type = "cosine"

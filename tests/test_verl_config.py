@@ -72,8 +72,6 @@ def test_bad_config_names_key_and_allowed_values(override, message):
         (f"{OPTIM}.zero_indexed_step=false",
          r"zero_indexed_step=False is not read by lr_scheduler_type=length_surge.*\[True\]"),
         # options the training glue never feeds
-        (f"+{OPTIM}.length_surge.cusum_clip_rise=0.5",
-         r"length_surge\.cusum_clip_rise=0\.5 is invalid in training: allowed values are its default 0\.25"),
         (f"+{OPTIM}.length_surge.max_surges=2",
          r"length_surge\.max_surges=2 is invalid in training: allowed values are its default 1"),
     ],
@@ -155,3 +153,10 @@ def test_explicit_target_works_with_plugins_disabled():
         VERL_USE_EXTERNAL_PLUGINS="none",
     )
     assert "OK LengthSurgeOptimizerConfig True" in proc.stdout, proc.stderr
+
+
+def test_the_clip_rise_is_an_option_in_training_now_that_the_glue_feeds_the_clip_ratio():
+    cfg = actor_config(f"{OPTIM}.lr_scheduler_type=length_surge", f"+{OPTIM}.length_surge.cusum_clip_rise=0.5")
+    from verl_lrstab.glue.configs import length_surge_options
+
+    assert length_surge_options(cfg.optim.length_surge).cusum_clip_rise == 0.5

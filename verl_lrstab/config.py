@@ -82,8 +82,9 @@ class LengthSurgeConfig:
             noise units (> 0). Default 3.5.
         cusum_kl_rise (float): cusum: growth of the mismatch KL (last 5 steps vs 30-60 steps
             back) that confirms an alarm (> 1). Default 1.5.
-        cusum_clip_rise (float): cusum: rise of ``response_length/clip_ratio`` that confirms an
-            alarm (> 0). Default 0.25.
+        cusum_clip_rise (float): cusum: rise of the share of responses at the response cap
+            that confirms an alarm (> 0; in training the glue feeds it as
+            ``actor/lrstab/clip_ratio``). Default 0.25.
         cusum_runaway_rise (float): cusum: an alarm fires whatever the co-signals once the level
             is this multiple of its baseline and the run never was that long before (> 1): the
             paper's 3-4x surge may come with a rising score. Default 2.5.

@@ -7,22 +7,25 @@ Two stages, every decision from data up to the current step only:
    give a z-score per step; a one-sided CUSUM ``S = max(0, S + z - drift)`` accumulates it, so
    a fast sustained rise crosses ``threshold`` within a few steps while noise and slow drift
    (absorbed by the trailing baseline) do not. The alarm also needs the level (median of the
-   last 5 steps: two odd batches cannot move it) at ``min_rise`` x the baseline or more. With
-   no score, it is not raised when the run was already at that level before (a **rebound**:
-   the highest 5-row median of the last ``rebound_memory`` steps before the baseline, skipped
-   early steps included, is at least ``min_rise`` x the baseline and the level is below
-   ``rebound_margin`` x it).
-2. **Co-signals.** Without a reward/score, the alarm is the surge. With a score (verl's
-   ``critic/score/mean``), an alarm arms the detector for up to ``confirm_steps`` steps
-   (while the level stays at ``min_rise`` x the alarm's baseline) and it fires on the first
-   step where the score **falls** (its 5-step median is ``score_z`` noise units below its
-   pre-alarm level, below its level 20-60 steps back (a slow rise sags the score from its
-   start), or below a peak since the alarm that was itself a clear rise), or where it
-   is not rising and the mismatch KL has grown ``kl_rise`` x (5-step median vs the median
-   30-60 steps back) or the clip ratio has risen by ``clip_rise``. A length rise with a rising
-   score is learning and is held; so is one with a flat score and no other sign. When the
-   score already falls by 1.5 x ``score_z``, half the length evidence (``threshold / 2``, a
-   level half-way to ``min_rise``) is enough.
+   last 5 steps, at least 2 rows: two odd batches cannot move it) at ``min_rise`` x the
+   baseline or more. It is not raised when the run was already at that level before (a
+   **rebound**: the highest 5-row median of the last ``rebound_memory`` steps before the
+   baseline, skipped early steps included, is at least ``min_rise`` x the baseline and the
+   level is below ``rebound_margin`` x it), whatever the co-signals (v3: a score no longer
+   skips this test).
+2. **Co-signals.** With a score (verl's ``critic/score/mean``), an alarm arms the detector for
+   up to ``confirm_steps`` steps (while the level stays at ``min_rise`` x the alarm's
+   baseline) and it fires on the first step where the score **falls** (its 5-step median is
+   ``score_z`` noise units below its pre-alarm level, below its level 20-60 steps back (a slow
+   rise sags the score from its start), or below a peak since the alarm that was itself a
+   clear rise), or where it is not rising and the mismatch KL has grown ``kl_rise`` x
+   (5-step median vs the median 30-60 steps back) or the clip ratio has risen by
+   ``clip_rise``. A length rise with a rising score is learning and is held; so is one with a
+   flat score and no other sign. Without a score but with the mismatch KL, the KL (or the clip
+   ratio) must confirm; with neither score nor KL, the alarm is the surge. Half the length
+   evidence (``threshold / 2``, a level half-way to ``min_rise``) is enough when the score
+   already falls by 1.5 x ``score_z``, or when the KL / clip ratio confirms and the last 2
+   steps are at ``min_rise``: the early rise of a fast collapse.
 3. **Runaway.** Whatever the co-signals say, an armed alarm fires once the level reaches
    ``runaway_rise`` x the alarm's baseline and the run was not that long before (not a rebound):
    the paper's surge (1000 -> 3000-4000 tokens within a few steps, METHOD.md) may come with a
@@ -32,8 +35,11 @@ Two stages, every decision from data up to the current step only:
 
 Windows count steps, not rows, so a log written every 5-10 steps uses the same options; a
 window holding fewer than 8 rows is widened back to 8, and a baseline needs 3 rows covering
-at least half the span. NaN, inf, missing and non-positive lengths are skipped; missing
-co-signals are just unavailable. Score noise: 1.2533 x the mean absolute deviation over the
+at least half the span. NaN, inf, missing and non-positive lengths are skipped. A co-signal is
+a list of observations: a missing value adds none and a repeat of the last value is none
+either, so a sparse figure and the same figure forward-filled decide alike; once seen, a
+co-signal that stops is held at its last observations (an alarm never fires *because* a
+co-signal went missing). Score noise: 1.2533 x the mean absolute deviation over the
 60 steps before the baseline ends (at least 20 rows), floored at 1 % of the score.
 """
 
@@ -50,11 +56,15 @@ logger = logging.getLogger("verl_lrstab")
 
 _NAN = float("nan")
 LEVEL_STEPS = 5  # the current level: median of the last 5 steps (two odd batches cannot move it)
+LEVEL_ROWS = 2
 NOW_STEPS = 5  # co-signals "now": median of the last 5 steps
 KL_BACK = (30, 60)  # the mismatch KL's reference: the steps 30-60 back
 SCORE_OLD = (20, 60)  # the score's level before a slow rise: the steps 20-60 back
 MIN_ROWS = 8  # windows of a sparse log are widened back to this many rows (a noise scale needs them)
 SCORE_NOISE_STEPS = 60  # the score's noise scale: over the 60 steps before the baseline ends
+KL_ROWS = 5  # the mismatch KL "now": at least 5 observations (k3 is noisy: 15 % a batch)
+FAST_STEPS = 2  # the early level of a KL- or clip-confirmed alarm: mean of the last 2 steps ...
+FAST_SLACK = 1.1  # ... which the 5-step level may trail by at most this factor (one odd batch cannot pass)
 MEDIAN_SD = 1.25  # sd of a median of a few values / sd of their mean (~sqrt(pi / 2))
 
 
@@ -130,7 +140,6 @@ class CusumDetector:
         self.last_step: Optional[int] = None
         self.level = self.baseline = self.ratio = self.noise = _NAN
         self.score_z_now = self.kl_ratio = self.clip_delta = _NAN
-        self._falls = False
 
     @property
     def surge_step(self) -> Optional[int]:
@@ -151,7 +160,10 @@ class CusumDetector:
         self.last_step = step
         for rows, v in ((self._score, finite_float(score)), (self._kl, finite_float(kl)),
                         (self._clip, finite_float(clip_ratio))):
-            if v is not None:
+            # A co-signal is a list of observations: a missing value adds none, and a repeat of the
+            # last value is no new observation either, so a log that forward-fills a sparse figure
+            # decides exactly as the sparse log does (what changes is how stale the figure is).
+            if v is not None and not (rows and rows[-1][1] == v):
                 rows.append([step, v])
         number = finite_float(value)
         if number is None or number <= 0:
@@ -168,7 +180,11 @@ class CusumDetector:
         if step <= self.skip_first_steps:
             return False
         base_rows = self._baseline_rows(step)
-        self.level = math.exp(median(v for s, v in self._log if s > step - LEVEL_STEPS and s > self.skip_first_steps))
+        # the level: the last LEVEL_STEPS steps, at least LEVEL_ROWS rows (one row of a sparse log is one batch)
+        late = [v for s, v in self._log if s > self.skip_first_steps]
+        self.level = math.exp(median([v for s, v in self._log if s > step - LEVEL_STEPS and s > self.skip_first_steps]
+                                     if sum(s > step - LEVEL_STEPS for s, _ in self._log) >= LEVEL_ROWS
+                                     else late[-LEVEL_ROWS:]))
         if len(base_rows) < 3:
             self.baseline = self.ratio = self.noise = _NAN
             return False
@@ -180,15 +196,22 @@ class CusumDetector:
             return False  # done; the figures above are still reported
         if self._armed is None and self._cusum >= self.threshold and self.ratio >= self.min_rise:
             refs = self._refs(step, b)
-            if refs["score_n"] or not self._rebound(step, b):  # length only: a rebound is no surge
+            if not self._rebound(step, b):  # a rebound is no surge, whatever the co-signals
                 self._armed = refs
                 logger.info("verl_lrstab: length alarm at step %d (cusum %.1f, level %.4g = %.3g x baseline)",
                             step, self._cusum, self.level, self.ratio)
+        fast = math.exp(median(v for _, v in self._log[-FAST_STEPS:])) / math.exp(b)
+        if self._armed is not None and (self.level < self.min_rise * self._armed["baseline"]
+                                        or step - self._armed["step"] > self.confirm_steps):
+            self._disarm()  # the length came back down, or no co-signal confirmed it in time
         if self._armed is not None:
-            fired = self._decide(step, self._armed) or self._runaway(self._armed)
+            fired = self._decide(step, self._armed) is not None or self._runaway(self._armed)
         elif self._cusum >= self.threshold / 2 and self.ratio >= (1 + self.min_rise) / 2:
-            # half the length evidence is enough when the score already falls clearly
-            fired = self._decide(step, {**self._refs(step, b), "z_factor": 1.5}) and self._falls
+            # half the length evidence (a level half-way to min_rise) is enough when a co-signal
+            # already says collapse: the score falls clearly, or the mismatch KL / clip ratio has
+            # grown and the last 2 steps are at min_rise (the early rise of a fast collapse)
+            why = self._decide(step, {**self._refs(step, b), "z_factor": 1.5})
+            fired = why == "score" or (why in ("kl", "clip") and min(fast, self.ratio * FAST_SLACK) >= self.min_rise)
         else:
             return False
         if fired:
@@ -197,9 +220,6 @@ class CusumDetector:
             if len(self.surge_steps) < self.max_surges:
                 self._log = []  # a later surge is measured against the post-surge level
             return True
-        if self._armed is not None and (self.level < self.min_rise * self._armed["baseline"]
-                                        or step - self._armed["step"] >= self.confirm_steps):
-            self._disarm()  # the length came back down, or no co-signal confirmed it in time
         return False
 
     # -- pieces ----------------------------------------------------------------------------------
@@ -245,9 +265,12 @@ class CusumDetector:
 
     @staticmethod
     def _recent(rows, step: int, rows_min: int = 2) -> tuple[float, int]:
-        """Median of the last NOW_STEPS steps (at least ``rows_min`` rows in a sparse log)."""
+        """Median of the last NOW_STEPS steps, widened back to the last ``rows_min`` observations.
+
+        A figure not logged lately is held at its last observations (never "unavailable" once seen).
+        """
         vals = [v for s, v in rows if s > step - NOW_STEPS]
-        if vals and len(vals) < rows_min:
+        if len(vals) < rows_min:
             vals = [v for _, v in rows[-rows_min:]]
         return (median(vals), len(vals)) if vals else (_NAN, 0)
 
@@ -275,29 +298,39 @@ class CusumDetector:
         self._armed = None
         self._cusum = 0.0
 
-    def _decide(self, step: int, a: dict) -> bool:
-        """Whether the co-signals confirm the length alarm ``a`` (True without a score)."""
-        self._falls = False
+    def _decide(self, step: int, a: dict) -> Optional[str]:
+        """What confirms the length alarm ``a``: ``"score"`` (it falls), ``"kl"``, ``"clip"``,
+        ``"length"`` (a log with no co-signal at all), or None (held)."""
+        kl_now = self._recent(self._kl, step, rows_min=KL_ROWS)[0]
+        self.kl_ratio = kl_now / a["kl_ref"] if a["kl_ref"] > 0 else _NAN  # NaN compares False
+        self.clip_delta = self._recent(self._clip, step, rows_min=1)[0] - a["clip_ref"]
         now, n_now = self._recent(self._score, step)
         if not a["score_n"] or not n_now:
             self.score_z_now = _NAN
-            return True  # no score: the length alarm is the surge
+            if self._kl:
+                # no score, but the mismatch KL: it (or the clip ratio) must confirm. A length
+                # excursion of a healthy run looks like a collapse's onset for its first steps; a
+                # flat mismatch says the engines still agree. (A flat clip ratio says little: the
+                # cap may be far, so with the clip ratio alone the length decides.)
+                return self._kl_or_clip()
+            return "length"  # the length alone: the length alarm is the surge
         unit = MEDIAN_SD * a["score_noise"] * math.sqrt(1 / n_now + 1 / a["score_n"])
         a["score_peak"] = max(a["score_peak"], now)
         self.score_z_now = (now - a["score_ref"]) / unit
-        kl_now = self._recent(self._kl, step, rows_min=3)[0]
-        self.kl_ratio = kl_now / a["kl_ref"] if a["kl_ref"] > 0 else _NAN  # NaN compares False
-        self.clip_delta = self._median_in(self._clip, step - NOW_STEPS, step)[0] - a["clip_ref"]
         # A fall from the pre-alarm level, or from a peak since the alarm that was a clear rise.
         top = a["score_peak"] if (a["score_peak"] - a["score_ref"]) / unit >= 2 * self.score_z else a["score_ref"]
         old_unit = MEDIAN_SD * a["score_noise"] * math.sqrt(1 / n_now + 1 / a["score_old_n"]) if a["score_old_n"] else 0
         if (top - now) / unit >= self.score_z * a["z_factor"] or \
                 (old_unit and (a["score_old"] - now) / old_unit >= self.score_z * a["z_factor"]):
-            self._falls = True
-            return True  # the score falls while the length is up: the pre-collapse signature
+            return "score"  # the score falls while the length is up: the pre-collapse signature
         if self.score_z_now >= self.score_z:
-            return False  # rising score: learning
-        return self.kl_ratio >= self.kl_rise or self.clip_delta >= self.clip_rise
+            return None  # rising score: learning
+        return self._kl_or_clip()
+
+    def _kl_or_clip(self) -> Optional[str]:
+        if self.kl_ratio >= self.kl_rise:
+            return "kl"
+        return "clip" if self.clip_delta >= self.clip_rise else None
 
     # -- state ---------------------------------------------------------------------------------
     _STATE = ("_log", "_high", "_score", "_kl", "_clip", "_cusum", "_armed", "surge_steps", "num_skipped",

@@ -60,7 +60,6 @@ def length_surge_options(options) -> LengthSurgeConfig:
     config = LengthSurgeConfig.from_dict(plain(options))
     defaults = LengthSurgeConfig()
     unread = {
-        "cusum_clip_rise": "the clip-ratio co-signal has no producer in training yet (the offline tools read it)",
         "max_surges": "the schedule follows the first surge only",
     }
     for key, why in unread.items():

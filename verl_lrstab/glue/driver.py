@@ -80,7 +80,7 @@ def make_v1_update_actor(original_fn):
         batch = argument((self,) + args, kwargs, 1, "batch")
         count = int(getattr(self, "parameter_sync_step", 1) or 1)
         index = int(getattr(self, "local_trigger_step", 0) or 0)
-        _tag(batch.extra_info, [index, count, int(trainer_mode(self.config) in ASYNC_MODES)])
+        _tag(batch.extra_info, [index, count, int(trainer_mode(self.config) in ASYNC_MODES), response_cap(self.config)])
         return original(self, *args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
@@ -99,7 +99,7 @@ def v1_trainer_checks(module, fn):
 def make_v0_update_actor(original_fn):
     def tag_then_update(original, self, *args, **kwargs):
         batch = argument((self,) + args, kwargs, 1, "batch")
-        _tag(batch.meta_info, [0, 1, 0])  # V0: one update per trainer step, never async
+        _tag(batch.meta_info, [0, 1, 0, response_cap(self.config)])  # V0: one update per trainer step, never async
         return original(self, *args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
@@ -112,8 +112,24 @@ def v0_trainer_checks(module, fn):
         module.RayPPOTrainer.__init__, "self.config = config")
 
 
+def response_cap(config) -> int:
+    """The rollout's response cap in tokens (``actor_rollout_ref.rollout.response_length``, which verl
+    sets from ``data.max_response_length``); 0 if the config has neither (no clip ratio is fed then)."""
+    for path in ("actor_rollout_ref.rollout.response_length", "data.max_response_length"):
+        node = config
+        try:
+            for key in path.split("."):
+                node = node.get(key) if hasattr(node, "get") else getattr(node, key)
+            if node is not None and int(node) > 0:
+                return int(node)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            continue
+    return 0
+
+
 def _tag(info: dict, position: list) -> None:
-    """Put the step position, and the pre-rejection stats if any, where verl hands them to the worker."""
+    """Put the step position ``[index, count, is_async, response cap]``, and the pre-rejection stats if
+    any, where verl hands them to the worker."""
     info[STEP_POSITION_KEY] = position
     stats = _pop_pre_rs_stats()
     if stats is not None:

@@ -117,19 +117,27 @@ def check_assumptions_once() -> None:
     _assumptions_checked = True
 
 
-def global_length_stats(data, dp_group=None) -> Optional[list]:
+def global_length_stats(data, dp_group=None, cap: Optional[int] = None) -> Optional[list]:
     """``[sum, count]`` of the response lengths over the global batch, or None when a rank cannot measure.
 
-    An empty batch gives ``[0, 0]`` (the step is skipped, not counted as unmeasurable); a batch
-    without the keys the length comes from gives None on every rank (the worker counts those).
+    With ``cap`` (the rollout's response cap in tokens) a third figure: how many responses reached
+    it (``[sum, count, at_cap]``: the clip ratio against the cap, which verl 0.9.1's own
+    ``response_length/clip_ratio`` is not: it compares with the batch's padded width, the
+    longest response of the batch in V0). An empty batch gives zeros (the step is skipped, not
+    counted as unmeasurable); a batch without the keys the length comes from gives None on
+    every rank (the worker counts those).
     """
+    width = 2 if cap is None else 3
     try:
         lengths = response_lengths(data)
-        local = torch.stack([lengths.sum().double(), torch.tensor(float(lengths.numel()), dtype=torch.float64)])
+        figures = [lengths.sum().double(), torch.tensor(float(lengths.numel()), dtype=torch.float64)]
+        if cap is not None:
+            figures.append((lengths >= cap).sum().double())
+        local = torch.stack(figures)
     except Exception as exc:  # noqa: BLE001 - never fail a training step for one unmeasurable batch
         logger.warning("verl_lrstab: could not measure the response length (%s); the step is skipped", exc)
         local = None
-    reduced = mismatch.all_reduce_or_none(local, 2, group=dp_group)
+    reduced = mismatch.all_reduce_or_none(local, width, group=dp_group)
     return None if reduced is None else reduced.tolist()
 
 

@@ -14,7 +14,7 @@ from verl_lrstab import mismatch
 from verl_lrstab.schedule import FedSchedule
 
 #: Non-tensor keys the driver-side glue adds to the actor batch (popped here).
-STEP_POSITION_KEY = "lrstab_step_position"  # [index of the update in the trainer step, updates per step, async]
+STEP_POSITION_KEY = "lrstab_step_position"  # [index of the update in the step, updates per step, async, response cap]
 PRE_RS_STATS_KEY = "lrstab_pre_rs_mismatch_stats"  # mismatch stats over the tokens before rejection sampling
 
 #: A length that cannot be measured (no key it comes from) on this many consecutive trainer
@@ -60,6 +60,7 @@ def feed(scheduler: FedSchedule, state: StepState, length: float) -> None:
         state.unmeasured_steps = 0
     scheduler.pending_response_length = length
     scheduler.pending_score = state.acc.score_mean()
+    scheduler.pending_clip_ratio = state.acc.clip_ratio()
 
 
 def feed_mismatch(scheduler: FedSchedule, figures: Optional[dict], is_async: bool) -> None:
@@ -73,16 +74,20 @@ def feed_mismatch(scheduler: FedSchedule, figures: Optional[dict], is_async: boo
 
 
 def step_position(value) -> tuple:
-    """``(index, count, is_async)`` of the driver's tag; a missing tag is an error, never a guess."""
+    """``(index, count, is_async, response_cap)`` of the driver's tag; a missing tag is an error, never
+    a guess (``response_cap`` 0: unknown, no clip ratio)."""
     if value is None:
         raise GlueError("verl_lrstab: the actor batch carries no trainer-step tag (lrstab_step_position): the "
                         "driver-side glue (PPOTrainer._update_actor / RayPPOTrainer._update_actor) did not run in "
                         "the trainer's process, so the scheduler cannot tell trainer steps apart. Check the "
                         "ERROR logged there; verl-lrstab supports verl 0.9.x (`python patches/check_verl.py`).")
-    index, count, is_async = (int(v) for v in value)
-    if not 0 <= index < count:
+    values = [int(v) for v in value]
+    if len(values) not in (3, 4):
         raise ValueError(f"verl_lrstab: bad trainer-step position {list(value)!r}")
-    return index, count, bool(is_async)
+    index, count, is_async, cap = (*values, 0) if len(values) == 3 else values
+    if not 0 <= index < count or cap < 0:
+        raise ValueError(f"verl_lrstab: bad trainer-step position {list(value)!r}")
+    return index, count, bool(is_async), cap
 
 
 class StepAccumulator:
@@ -94,6 +99,8 @@ class StepAccumulator:
     def reset(self) -> None:
         self.length = [0.0, 0.0]  # sum, count
         self.length_unmeasured = False
+        self.at_cap = [0.0, 0.0]  # responses at the cap, responses (empty: no cap known)
+        self.clip_valid = True
         self.score = [0.0, 0.0]  # sum, count
         self.score_valid = True
         self.mismatch = None  # stats tensor (sums, then max) or None
@@ -104,10 +111,20 @@ class StepAccumulator:
         self.add_mismatch(mismatch_stats)
 
     def add_length(self, length_stats: Optional[list]) -> None:
+        """``[sum, count]`` or ``[sum, count, at_cap]`` (:func:`~verl_lrstab.glue.signals.global_length_stats`)."""
         if length_stats is None:
             self.length_unmeasured = True
+            return
+        self.length = [self.length[0] + length_stats[0], self.length[1] + length_stats[1]]
+        if len(length_stats) > 2:
+            self.at_cap = [self.at_cap[0] + length_stats[2], self.at_cap[1] + length_stats[1]]
         else:
-            self.length = [self.length[0] + length_stats[0], self.length[1] + length_stats[1]]
+            self.clip_valid = False
+
+    def clip_ratio(self) -> Optional[float]:
+        """The step's share of responses at the rollout's cap, or None (no cap known, or unmeasured)."""
+        at_cap, count = self.at_cap
+        return at_cap / count if self.clip_valid and not self.length_unmeasured and count > 0 else None
 
     def add_score(self, score_stats: Optional[list]) -> None:
         if score_stats is None:

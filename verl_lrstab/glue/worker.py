@@ -52,7 +52,7 @@ def _train_mini_batch(original_fn, self, *args, **kwargs):
 
     data = argument((self,) + args, kwargs, 1, "data")
     scheduler = self.engine.lr_scheduler
-    index, count, is_async = step_position(tu.pop(data, key=STEP_POSITION_KEY, default=None))
+    index, count, is_async, cap = step_position(tu.pop(data, key=STEP_POSITION_KEY, default=None))
     pre_rs = tu.pop(data, key=PRE_RS_STATS_KEY, default=None)
     state = state_of(scheduler)
     _warmup_in_trainer_steps(scheduler, state, count)
@@ -65,7 +65,7 @@ def _train_mini_batch(original_fn, self, *args, **kwargs):
         state.acc.reset()
     last = index == count - 1
     run_original = lambda: original_fn(self, *args, **kwargs)  # noqa: E731
-    length_stats = signals.global_length_stats(data, group)
+    length_stats = signals.global_length_stats(data, group, cap=cap or None)
     state.acc.add_score(signals.global_score_stats(data, group))
     mismatch_stats = signals.global_mismatch_stats(data, group, pre_rs)
     if is_bypass(mismatch_stats):  # old_log_probs := rollout_log_probs: figures from the loss's own forward
