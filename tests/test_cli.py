@@ -384,3 +384,16 @@ def test_compare_reports_the_crash_and_the_lead(class_a_run, tmp_path, capsys):
     code, _, _ = run_cli("compare", CLASS_A, "--crash-fraction", "0.3", "--out", tmp_path / "d", capsys=capsys)
     row = pd.read_csv(tmp_path / "d" / "summary.csv").iloc[0]
     assert code == 0 and row.crash_step > 142 and row.lead == row.crash_step - 131
+
+
+def test_replay_reads_the_clip_ratio_the_trainer_consumed():
+    # a length_surge run logs actor/lrstab/clip_ratio (share at the cap) next to verl's
+    # response_length/clip_ratio (share at the batch's longest response): replay feeds the former
+    from verl_lrstab.cli import cosignal_names
+    from verl_lrstab.config import LengthSurgeConfig
+
+    df = pd.DataFrame({"response_length/mean": [10.0, 11.0], "response_length/clip_ratio": [0.06, 0.03],
+                       "actor/lrstab/clip_ratio": [0.0, 0.0]}, index=[1, 2])
+    assert cosignal_names(df, LengthSurgeConfig())["clip"] == "actor/lrstab/clip_ratio"
+    assert cosignal_names(df.drop(columns=["actor/lrstab/clip_ratio"]), LengthSurgeConfig())["clip"] == \
+        "response_length/clip_ratio"

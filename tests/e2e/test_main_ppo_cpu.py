@@ -74,8 +74,9 @@ def test_scheduler_consumes_verl_response_length(main_ppo, trainer):
     for step in steps:
         assert scores[step] == pytest.approx(verl_scores[step], rel=1e-6, abs=1e-6), step
     # the clip-ratio co-signal: the share of responses at the cap (data.max_response_length). verl's own
-    # response_length/clip_ratio compares with the batch's longest response: the same figure when that
-    # one is at the cap, while ours is 0 when no response reached it (and verl's is not)
+    # response_length/clip_ratio compares with the batch's padded width: the cap in V0 (the same figure
+    # every step), the longest response of the batch in V1 (the same figure when that one is at the
+    # cap, while ours is 0 when no response reached it and verl's is not)
     cap = OmegaConf.load(CONFIG_DIR / "cpu_demo.yaml").data.max_response_length
     clip, verl_clip = series(run.metrics, "actor/lrstab/clip_ratio"), series(run.metrics, "response_length/clip_ratio")
     longest = series(run.metrics, "response_length/max")
@@ -83,7 +84,8 @@ def test_scheduler_consumes_verl_response_length(main_ppo, trainer):
     for step in steps:
         expected = verl_clip[step] if longest[step] >= cap else 0.0
         assert clip[step] == pytest.approx(expected, abs=1e-9), (step, longest[step], verl_clip[step])
-    assert any(longest[s] < cap and verl_clip[s] > 0 for s in steps)  # where the two figures differ
+    if trainer == "v1":
+        assert any(longest[s] < cap and verl_clip[s] > 0 for s in steps)  # where the two figures differ
 
 
 @pytest.mark.parametrize("trainer", ["v0", "v1"])

