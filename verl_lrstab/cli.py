@@ -366,17 +366,20 @@ def cmd_compare(args) -> int:
             raise RunError(f"--metric {item!r}: expected FIGURE=NAME with FIGURE one of {list(FIGURES)}")
         overrides[key] = name
     labels = _labels(args.runs, args.label or [])
-    runs = [load_run(r) for r in args.runs]
+    guarded = [_guard_run(r) for r in args.runs]  # (final metrics, abandoned frames, rollback steps) or None
+    runs = [g[0] if g else load_run(r) for r, g in zip(args.runs, guarded)]
     rows, marks = zip(*(_summary_row(label, df, config, overrides, args) for label, df in zip(labels, runs)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     for key, (title, candidates, logy) in FIGURES.items():
         curves, names = [], []
-        for label, df, (surge, decays) in zip(labels, runs, marks):
+        for label, df, (surge, decays), g in zip(labels, runs, marks, guarded):
             name = overrides.get(key) or find_metric(df, candidates)
             if name is not None and name in df.columns:
-                curves.append(plots.Curve(label, metric_series(df, name), surge, decays))
+                abandoned = [metric_series(a, name) for a in g[1] if name in a.columns] if g else []
+                curves.append(plots.Curve(label, metric_series(df, name), surge, decays, abandoned,
+                                          g[2] if g else []))
                 names.append(name)
             elif key in overrides:
                 print(f"lrstab: {label} has no metric {overrides[key]} ({key} figure)", file=sys.stderr)
@@ -395,6 +398,22 @@ def cmd_compare(args) -> int:
     print(md)
     print(f"summary: {out / 'summary.csv'}, {out / 'summary.md'}", file=sys.stderr)
     return 0
+
+
+def _guard_run(path: str):
+    """An ``lrstab guard`` run directory: (final metrics, abandoned segments, rollback steps); else None."""
+    from verl_lrstab.guard.supervisor import EVENTS
+
+    events_path = Path(path) / EVENTS
+    if not events_path.is_file():
+        return None
+    events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+    rollbacks = [e for e in events if e.get("event") == "rollback"]
+    final = Path(path) / "metrics.jsonl"
+    if not final.exists():
+        raise RunError(f"{path}: an lrstab guard run without metrics.jsonl (still running, or stopped before its end)")
+    abandoned = [load_run(e["abandoned_metrics"]) for e in rollbacks if Path(e["abandoned_metrics"]).exists()]
+    return load_run(final), abandoned, [int(e["checkpoint_step"]) for e in rollbacks]
 
 
 def _markdown(table) -> str:
@@ -452,7 +471,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-metric", help="mismatch KL metric (default: auto)")
     _add_scheduler_options(p)
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("guard", help="run verl's main_ppo; on a surge, reward crash or NaN, roll back and continue",
+                       usage="lrstab guard [options] -- python -m verl.trainer.main_ppo [verl overrides]",
+                       description="Supervise verl's own entry point: on trouble, stop it, keep the abandoned "
+                                   "segment, resume from the newest checkpoint at or before the onset (verl's "
+                                   "resume_mode=resume_path) with the LR halved from there and every P steps after "
+                                   "(P = period_factor x the surge step), at most --max-rollbacks times. Exit "
+                                   "status: 0 finished, 3 gave up (too many rollbacks or no checkpoint), 4 verl "
+                                   "failed, 2 a bad command or option.")
+    p.add_argument("--run-dir", help="events, segments and the final metrics (default: next to verl's checkpoints, "
+                                     "<trainer.default_local_dir>/../lrstab_guard)")
+    p.add_argument("--max-rollbacks", type=int, default=2, help="default 2")
+    p.add_argument("--margin", type=int, default=2,
+                   help="roll back to the newest checkpoint at or before onset - MARGIN steps (default 2)")
+    p.add_argument("--crash-fraction", type=float, default=0.6,
+                   help="reward crash: 5-point rolling median score below this x its earlier peak (default 0.6)")
+    for name, what in (("surge", "the detector's surge"), ("reward-crash", "a reward crash"),
+                       ("non-finite", "a NaN/inf loss or grad norm")):
+        p.add_argument(f"--no-{name}", action="store_true", help=f"do not roll back on {what}")
+    p.add_argument("--reseed", action="store_true", help="change the rollout seed on each rollback")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python -m verl.trainer.main_ppo ...")
+    p.set_defaults(func=cmd_guard)
     return parser
+
+
+def cmd_guard(args) -> int:
+    from verl_lrstab.guard.plan import GuardError, GuardOptions
+    from verl_lrstab.guard.supervisor import Guard
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        options = GuardOptions(max_rollbacks=args.max_rollbacks, margin=args.margin, on_surge=not args.no_surge,
+                               on_reward_crash=not args.no_reward_crash, on_non_finite=not args.no_non_finite,
+                               crash_fraction=args.crash_fraction, reseed=args.reseed)
+        guard = Guard(command, run_dir=Path(args.run_dir) if args.run_dir else None, options=options)
+    except GuardError as err:
+        print(f"lrstab guard: error: {err}", file=sys.stderr)
+        return 2
+    logging.getLogger("verl_lrstab").setLevel(logging.WARNING)
+    status = guard.run()
+    print(guard.run_dir)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

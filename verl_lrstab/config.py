@@ -43,6 +43,12 @@ class LengthSurgeConfig:
         decay_period (int | None): fixed period for the paper's two-run workflow. When set,
             the decay follows it from the start (``origin`` is ignored) and the detector only
             reports. Default None (the period comes from the detected surge).
+        decay_from_step (int | None): the guard's rollback (``lrstab guard``): the decay starts
+            at this update whatever the detector says or a checkpoint holds, as ``origin:
+            surge`` does (the first halving applies to the first update after it, then one more
+            every ``decay_period`` updates, which must be set). Default None.
+        guard_rollbacks (int): set by ``lrstab guard``: the rollbacks before this launch, logged
+            as ``actor/lrstab/rollbacks``. Default 0.
         trigger (str): what starts the decay: ``"length"`` (default, the paper), ``"mismatch"``
             (the mismatch KL exceeds its budget) or ``"either"`` (whichever fires first).
         detector (str): the length-surge test: ``"cusum"`` (default: CUSUM of noise-scaled
@@ -107,6 +113,8 @@ class LengthSurgeConfig:
     min_lr_ratio: float = 0.1
     origin: str = "start"
     decay_period: Optional[int] = None
+    decay_from_step: Optional[int] = None
+    guard_rollbacks: int = 0
     trigger: str = "length"
     detector: str = "cusum"
     skip_first_steps: int = 10
@@ -143,6 +151,15 @@ class LengthSurgeConfig:
         if self.decay_period is not None:
             _check(_int(self.decay_period) and self.decay_period >= 1, "decay_period", self.decay_period,
                    "null or an integer >= 1")
+        if self.decay_from_step is not None:
+            _check(_int(self.decay_from_step) and self.decay_from_step >= 0, "decay_from_step", self.decay_from_step,
+                   "null or an integer >= 0")
+            _check(self.decay_period is not None, "decay_from_step", self.decay_from_step,
+                   "null unless decay_period is set too (the period of the decay it starts)")
+            _check(not self.monitor_only, "decay_from_step", self.decay_from_step,
+                   "null with monitor_only: true (a monitor never decays)")
+        _check(_int(self.guard_rollbacks) and self.guard_rollbacks >= 0, "guard_rollbacks", self.guard_rollbacks,
+               "an integer >= 0")
         _check(self.trigger in TRIGGERS, "trigger", self.trigger, f"one of {list(TRIGGERS)}")
         _check(_int(self.skip_first_steps) and self.skip_first_steps >= 0, "skip_first_steps",
                self.skip_first_steps, "an integer >= 0")

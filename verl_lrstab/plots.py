@@ -28,9 +28,16 @@ class Curve:
     series: pd.Series
     surge_step: int | None = None
     decay_steps: Sequence[int] = field(default_factory=list)
+    abandoned: Sequence[pd.Series] = field(default_factory=list)  # lrstab guard: segments rolled back (grey)
+    rollback_steps: Sequence[int] = field(default_factory=list)  # lrstab guard: the checkpoints resumed from
 
 
 def _marks(ax, curve: Curve, color) -> None:
+    for seg in curve.abandoned:
+        ax.plot(seg.index, seg.values, "-", color="0.6", lw=1, alpha=0.8)
+    for s in curve.rollback_steps:
+        ax.axvline(s, color=color, ls="-", lw=1.5, alpha=0.5)
+        ax.plot([s], [0], marker="v", color=color, transform=ax.get_xaxis_transform(), clip_on=False)
     if curve.surge_step is not None:
         ax.axvline(curve.surge_step, color=color, ls="--", lw=1, alpha=0.8)
     for s in curve.decay_steps:
@@ -62,6 +69,9 @@ def plot_curves(curves: Sequence[Curve], title: str, ylabel: str, path: str | Pa
     ax.grid(alpha=0.3)
     ax.plot([], [], "k--", lw=1, label="surge")
     ax.plot([], [], "k:", lw=1, label="LR decay")
+    if any(c.rollback_steps for c in curves):
+        ax.plot([], [], "-", color="0.6", lw=1, label="abandoned (rolled back)")
+        ax.plot([], [], "kv-", lw=1.5, alpha=0.5, label="rollback to checkpoint")
     ax.legend(fontsize=8)
     return _save(fig, path)
 

@@ -83,6 +83,12 @@ class LengthSurgeSchedule:
         self.mismatch_kl = math.nan
         self.score = math.nan
         self.clip_ratio = math.nan
+        self._force_decay()
+
+    def _force_decay(self) -> None:
+        """``decay_from_step`` (the guard's rollback) wins over the detector and over a checkpoint."""
+        if self.config.decay_from_step is not None:
+            self.trigger_step, self.trigger_source = self.config.decay_from_step, "guard"
 
     @property
     def surge_step(self) -> Optional[int]:
@@ -136,7 +142,7 @@ class LengthSurgeSchedule:
     def decay_scale(self, update: int) -> float:
         """The decay multiplier in force while update ``update`` runs."""
         cfg = self.config
-        origin = "start" if cfg.decay_period is not None else cfg.origin
+        origin = "surge" if cfg.decay_from_step is not None else "start" if cfg.decay_period is not None else cfg.origin
         return decay_scale(update, self.decay_period, cfg.gamma, cfg.min_lr_ratio, origin, self.trigger_step)
 
     def scale(self, completed_updates: int) -> float:
@@ -173,6 +179,7 @@ class LengthSurgeSchedule:
         self.clip_ratio = state.get("clip_ratio", math.nan)
         if self.mismatch_trigger is not None and "mismatch_trigger" in state:
             self.mismatch_trigger.load_state_dict(state["mismatch_trigger"])
+        self._force_decay()
 
     def metrics(self, completed_updates: int) -> dict:
         """Figures for verl's logger (keys documented in the README); no value is invented."""
@@ -198,6 +205,8 @@ class LengthSurgeSchedule:
                 out[f"lrstab/{key}"] = value
         if self.mismatch_trigger is not None and self.mismatch_trigger.budget is not None:
             out["lrstab/mismatch_budget"] = self.mismatch_trigger.budget
+        if self.config.guard_rollbacks:
+            out["lrstab/rollbacks"] = self.config.guard_rollbacks
         return out
 
 
@@ -269,8 +278,8 @@ class FedSchedule:
             return
         saved = own.get("options")
         configured = self.config.to_dict()
-        if saved is not None and saved != configured:
-            changed = {k: (saved.get(k), v) for k, v in configured.items() if saved.get(k) != v}
+        changed = {k: (saved[k], v) for k, v in configured.items() if k in saved and saved[k] != v} if saved else {}
+        if changed:  # (an option added after the checkpoint was written is not a change)
             logger.warning("verl_lrstab: length_surge options changed since the checkpoint at update %s "
                            "(key: (checkpoint, now)) %s; the configured ones apply from now on, so the decay "
                            "period and the LR may change at once", step, changed)

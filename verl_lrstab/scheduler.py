@@ -113,3 +113,9 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         self._last_lr = list(state_dict["_last_lr"])
         self._restore_schedule({"schedule": state_dict["schedule"], "options": state_dict.get("options")},
                                self.last_epoch)
+        if self.config.decay_from_step is not None:
+            # the guard's rollback: the decay is in force from the first update after the resume, not
+            # from the next step() (verl loads the optimizer, with the checkpoint's LR, before this)
+            self._last_lr = [float(lr) for lr in self.get_lr()]
+            for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+                group["lr"] = lr

@@ -1,0 +1,113 @@
+"""End-to-end (issue 22): ``lrstab guard`` around verl's real ``main_ppo`` on CPU (V1, the tiny model).
+
+The CPU demo's reward pays for length, so the length surges (the default detector fires at
+step 14-15 with configs/cpu_demo.yaml, measured): a provoked trouble. The guard must roll back
+to the newest checkpoint at or before the onset (minus its margin), resume with verl's own
+``resume_mode=resume_path`` and the LR decay started there, keep the abandoned segment, and
+finish with a continuous trajectory; with ``--max-rollbacks 0`` it must stop with status 3.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl_lrstab.cpu.launch import CONFIG_DIR, cpu_env
+
+pytestmark = pytest.mark.e2e
+
+STEPS, SAVE_FREQ, LR0, MARGIN = 20, 4, 5e-4, 2
+# the run itself only watches (monitor_only): the LR stays constant until the guard starts the decay
+RUN = ["trainer.use_v1=true", f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={SAVE_FREQ}",
+       f"actor_rollout_ref.actor.optim.lr={LR0}", "++actor_rollout_ref.actor.optim.length_surge.monitor_only=true"]
+
+
+def guard(tmp_path: Path, assets_dir: Path, *options: str, overrides=RUN, timeout=1500):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    env = cpu_env(assets_dir, run_dir / "unused.jsonl", run_dir)
+    cmd = [sys.executable, "-m", "verl_lrstab.cli", "guard", "--run-dir", str(run_dir / "guard"), *options, "--",
+           sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(CONFIG_DIR), "--config-name",
+           "cpu_demo", f"hydra.run.dir={run_dir / 'hydra'}", *overrides]
+    proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
+    events = [json.loads(line) for line in (run_dir / "guard" / "lrstab_events.jsonl").read_text().splitlines()]
+    return proc, events, run_dir
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    out = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        out[row["step"]] = row["data"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory, assets_dir):
+    return guard(tmp_path_factory.mktemp("guard"), assets_dir)
+
+
+def test_the_guard_rolls_back_to_a_checkpoint_before_the_onset_and_finishes(guarded):
+    proc, events, run_dir = guarded
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(run_dir / "guard")  # the run directory, last
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "done" and kinds.count("rollback") == 1, kinds
+    surge = next(e for e in events if e["event"] == "surge")
+    rb = next(e for e in events if e["event"] == "rollback")
+    assert rb["reason"] == "surge" and rb["onset_step"] == surge["onset_step"] <= surge["step"]
+    # the newest checkpoint at or before onset - margin (verl saved every SAVE_FREQ steps)
+    assert rb["checkpoint_step"] == max(s for s in range(SAVE_FREQ, STEPS + 1, SAVE_FREQ)
+                                        if s <= rb["onset_step"] - MARGIN)
+    # the calibrated period: the run's period_factor (configs/cpu_demo.yaml) x the surge step
+    factor = OmegaConf.load(CONFIG_DIR / "cpu_demo.yaml").actor_rollout_ref.actor.optim.length_surge.period_factor
+    assert rb["attempt"] == 1 and rb["decay_period"] == max(1, int(factor * surge["step"] + 0.5))
+    # the abandoned segment is kept: its metrics (past the rollback point) and its later checkpoints
+    abandoned = read_metrics(Path(rb["abandoned_metrics"]))
+    assert max(abandoned) >= surge["step"] > rb["checkpoint_step"]
+    kept = {p.name for p in Path(rb["abandoned_metrics"]).parent.glob("global_step_*")}
+    assert kept == {f"global_step_{s}" for s in range(SAVE_FREQ, max(abandoned) + 1, SAVE_FREQ) if s > rb["checkpoint_step"]}
+
+
+def test_the_final_trajectory_is_continuous_and_follows_the_guards_rule(guarded):
+    proc, events, _ = guarded
+    rb = next(e for e in events if e["event"] == "rollback")
+    done = events[-1]
+    final = read_metrics(Path(done["metrics"]))
+    assert sorted(final) == list(range(1, STEPS + 1))
+    c, period = rb["checkpoint_step"], rb["decay_period"]
+    abandoned = read_metrics(Path(rb["abandoned_metrics"]))
+    for step in range(1, c + 1):  # before the rollback point: the first segment, as it ran
+        assert final[step]["response_length/mean"] == abandoned[step]["response_length/mean"]
+        assert final[step]["actor/lr"] == pytest.approx(LR0)
+    for step in range(c + 1, STEPS + 1):
+        # verl logs the LR after stepping: the LR of update step + 1; halved on the first update after
+        # the checkpoint, then every `period` updates (the guard's rule), the checkpoint's state notwithstanding
+        update = step + 1
+        n = 1 + (update - c - 1) // period
+        assert final[step]["actor/lr"] == pytest.approx(LR0 * max(0.1, 0.5**n)), step
+        assert final[step]["actor/lrstab/rollbacks"] == 1
+        assert final[step]["actor/lrstab/trigger_step"] == c
+
+
+def test_max_rollbacks_is_respected(tmp_path, assets_dir):
+    proc, events, _ = guard(tmp_path, assets_dir, "--max-rollbacks", "0")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert [e["event"] for e in events][-2:] == ["surge", "gave_up"]
+    assert "after 0 rollback(s)" in proc.stderr
+
+
+def test_a_save_freq_that_can_never_serve_is_refused_before_verl_starts(tmp_path, assets_dir):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cmd = [sys.executable, "-m", "verl_lrstab.cli", "guard", "--", sys.executable, "-m", "verl.trainer.main_ppo",
+           "--config-path", str(CONFIG_DIR), "--config-name", "cpu_demo", "trainer.save_freq=-1"]
+    proc = subprocess.run(cmd, cwd=run_dir, env=cpu_env(assets_dir, run_dir / "m.jsonl", run_dir),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "trainer.save_freq=-1" in proc.stderr
+    assert not (run_dir / "checkpoints").exists()
