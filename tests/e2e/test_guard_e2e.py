@@ -111,3 +111,49 @@ def test_a_save_freq_that_can_never_serve_is_refused_before_verl_starts(tmp_path
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "trainer.save_freq=-1" in proc.stderr
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_a_run_without_trouble_is_the_unguarded_run(tmp_path, assets_dir, main_ppo):
+    # 5 steps, no surge yet (the detector needs its baseline first): the guard only watches, and
+    # verl's run is the same as without it (cpu_demo.yaml samples with per-request seeds)
+    short = ["trainer.use_v1=true", "trainer.total_training_steps=5", "trainer.save_freq=2",
+             "++actor_rollout_ref.actor.optim.length_surge.monitor_only=true"]
+    proc, events, _ = guard(tmp_path, assets_dir, overrides=short)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [e["event"] for e in events] == ["start", "done"]
+    guarded = read_metrics(Path(events[-1]["metrics"]))
+    plain = main_ppo("guard-twin", short).metrics
+    assert sorted(guarded) == sorted(plain) == [1, 2, 3, 4, 5]
+    for step in plain:
+        for key in ("response_length/mean", "actor/lr", "critic/score/mean", "actor/grad_norm"):
+            assert guarded[step][key] == pytest.approx(plain[step][key], rel=1e-6), (step, key)
+
+
+@pytest.mark.slow
+def test_killing_the_guard_stops_verl_and_loses_nothing(tmp_path, assets_dir, main_ppo):
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = cpu_env(assets_dir, run_dir / "unused.jsonl", run_dir)
+    cmd = [sys.executable, "-m", "verl_lrstab.cli", "guard", "--run-dir", str(run_dir / "guard"), "--",
+           sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(CONFIG_DIR), "--config-name",
+           "cpu_demo", f"hydra.run.dir={run_dir / 'hydra'}", *RUN]
+    proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    latest = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 900
+    while not (latest.exists() and int(latest.read_text()) >= 2 * SAVE_FREQ) and time.monotonic() < deadline:
+        time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    time.sleep(5)
+    leftover = subprocess.run(["pgrep", "-f", f"hydra.run.dir={run_dir / 'hydra'}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", "verl outlived the guard"
+    saved = int(latest.read_text())
+    # resume by hand with verl's own resume: it continues from the guard's last checkpoint
+    resumed = main_ppo("guard-killed-resumed", RUN + ["trainer.resume_mode=auto",
+                                                      f"trainer.default_local_dir={run_dir / 'checkpoints'}"])
+    assert min(resumed.metrics) == saved + 1 and max(resumed.metrics) == STEPS
+    assert os.path.isdir(run_dir / "checkpoints" / f"global_step_{STEPS}")

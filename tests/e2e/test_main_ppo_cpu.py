@@ -186,7 +186,8 @@ def step_as_logged(scheduler: LengthSurgeLR, data: dict) -> None:
     """Step with the figures the trainer's scheduler consumed at that step (its logged metrics)."""
     metric = LengthSurgeConfig.from_dict(length_surge_options()).mismatch_metric
     kl = data.get("actor/lrstab/mismatch_kl", data.get(f"actor/mismatch/{metric}"))
-    scheduler.pending_score = data.get("actor/lrstab/score")  # the co-signal the glue fed (critic/score/mean)
+    scheduler.pending_score = data.get("actor/lrstab/score")  # the co-signals the glue fed (critic/score/mean,
+    scheduler.pending_clip_ratio = data.get("actor/lrstab/clip_ratio")  # the share at the cap)
     scheduler.step(data["actor/lrstab/response_length"], kl)
 
 

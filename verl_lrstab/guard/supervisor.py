@@ -146,6 +146,14 @@ class Guard:
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> int:
+        """Run to the end; returns the exit status (0 done, 3 gave up, 4 verl failed)."""
+        previous = signal.signal(signal.SIGTERM, _terminate)  # a killed guard stops verl (see _launch)
+        try:
+            return self._run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run(self) -> int:
         for w in self.plan.warnings:
             logger.warning("lrstab guard: %s", w)
         self.events.write("start", 0, command=self.launcher + self.overrides, run_dir=str(self.run_dir),
@@ -267,6 +275,10 @@ class Guard:
             for step in sorted(records):
                 f.write(json.dumps({"step": step, "data": records[step]}, allow_nan=True) + "\n")
         return path
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
