@@ -274,11 +274,6 @@ class CusumDetector:
             vals = [v for _, v in rows[-rows_min:]]
         return (median(vals), len(vals)) if vals else (_NAN, 0)
 
-    @staticmethod
-    def _median_in(rows, lo: int, hi: int) -> tuple[float, int]:
-        vals = [v for s, v in rows if lo < s <= hi]
-        return (median(vals), len(vals)) if vals else (_NAN, 0)
-
     def _refs(self, step: int, b: float) -> dict:
         lo, hi = step - self.lag - self.span, step - self.lag
         ref, n_ref, _ = self._ref(self._score, lo, hi)

@@ -8,7 +8,7 @@ logged, the response length (mean of the first and last 10 steps, the highest 5-
 the share at the cap, the training score and verl's validation (through the sampler), the
 mismatch k3 (median of the first and last 20 steps: does it grow with training?), the grad
 norm, and the detector's surge step. Writes ``pilots.md``, ``pilots.json`` and ``pilots.png``
-(length, score, k3 and clip ratio against the step, one colour per run).
+(length, score, k3 and the longest response against the step, one colour per run).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from verl_lrstab.runs import load_run  # noqa: E402
 OUT = REPO_ROOT / "outputs" / "repro" / "real"
 LENGTH, SCORE, K3, CLIP, GN = ("response_length/mean", "critic/score/mean", "actor/mismatch/k3",
                                "actor/lrstab/clip_ratio", "actor/grad_norm")
+LONGEST = "response_length/max"
 SURGE = "actor/lrstab/surge_step"
 
 
@@ -90,11 +91,14 @@ def figure(run_dirs: list[Path], path: Path) -> Path:
     fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
     for run_dir in run_dirs:
         df = load_run(run_dir / "metrics.jsonl")
-        for ax, key in zip(axes, (LENGTH, SCORE, K3, CLIP)):
+        for ax, key in zip(axes, (LENGTH, SCORE, K3, LONGEST)):
             s = _col(df, key)
-            ax.plot(s.index, s.rolling(5, min_periods=1).median() if key != CLIP else s, label=run_dir.name, lw=1.2)
+            ax.plot(s.index, s.rolling(5, min_periods=1).median() if key != LONGEST else s, label=run_dir.name, lw=1.2)
             ax.set_ylabel({LENGTH: "response length\n(5-step median)", SCORE: "training score\n(5-step median)",
-                           K3: "mismatch k3\n(5-step median)", CLIP: "share at the cap"}[key])
+                           K3: "mismatch k3\n(5-step median)", LONGEST: "longest response\n(cap dashed)"}[key])
+        info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+        if info.get("max_response_length"):
+            axes[3].axhline(info["max_response_length"], ls="--", lw=1, color="0.5")
         surge = _col(df, SURGE)
         if (surge >= 0).any():
             for ax in axes:

@@ -216,14 +216,18 @@ class Guard:
             proc = subprocess.Popen(cmd, cwd=self.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:
+                seen = None
                 while True:
                     try:
                         proc.wait(timeout=self.poll_s)
                         finished = True
                     except subprocess.TimeoutExpired:
                         finished = False
-                    trouble = find_trouble(self._trajectory(segments), self._options_now(segments), self.plan.length_surge,
-                                           after)
+                    records = self._trajectory(segments)
+                    trouble = None
+                    if (len(records), max(records, default=0)) != seen:  # judge each new step once
+                        seen = (len(records), max(records, default=0))
+                        trouble = find_trouble(records, self._options_now(segments), self.plan.length_surge, after)
                     if trouble is not None:
                         _stop(proc)
                         return trouble, proc.returncode
