@@ -193,3 +193,32 @@ def test_an_unwritable_run_dir_is_refused(tmp_path):
     with pytest.raises(GuardError, match=r"--run-dir .*cannot write there"):
         Guard(MAIN + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "trainer.save_freq=5"],
               run_dir=blocker / "guard", cwd=tmp_path)
+
+
+def test_compare_reads_a_guard_run_and_draws_the_abandoned_segment(tmp_path, monkeypatch):
+    import json
+
+    from verl_lrstab import cli, plots
+
+    def write(path, steps, length):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"step": s, "data": {"response_length/mean": length(s),
+                                                                "critic/score/mean": 0.5}}) + "\n" for s in steps))
+
+    run = tmp_path / "guard"
+    write(run / "abandoned" / "attempt-1" / "metrics.jsonl", range(1, 17), lambda s: 10.0 + s * s / 5)
+    write(run / "metrics.jsonl", range(1, 25), lambda s: 10.0 + s / 2)
+    events = [{"event": "start", "step": 0}, {"event": "surge", "step": 15, "onset_step": 7},
+              {"event": "rollback", "step": 15, "checkpoint_step": 4, "onset_step": 7, "attempt": 1, "reason": "surge",
+               "abandoned_metrics": str(run / "abandoned" / "attempt-1" / "metrics.jsonl")},
+              {"event": "done", "step": 24, "metrics": str(run / "metrics.jsonl")}]
+    (run / "lrstab_events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    drawn = []
+    real = plots.plot_curves
+    monkeypatch.setattr(plots, "plot_curves", lambda curves, *a, **k: (drawn.append(curves), real(curves, *a, **k))[1])
+    assert cli.main(["compare", str(run), "--out", str(tmp_path / "cmp")]) == 0
+    curve = drawn[0][0]  # the first figure: the response length
+    assert list(curve.rollback_steps) == [4]
+    assert len(curve.abandoned) == 1 and list(curve.abandoned[0].index) == list(range(1, 17))
+    assert list(curve.series.index) == list(range(1, 25))
+    assert (tmp_path / "cmp" / "length.png").exists()
