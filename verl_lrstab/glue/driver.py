@@ -3,7 +3,8 @@
 - ``RayPPOTrainer.__init__`` (V0) and ``PPOTrainer.__init__`` (V1): a ``length_surge`` run is
   checked as a whole before it trains (:func:`check_run`): every wrap it needs installed in
   this process, and the options that need more than the optimizer config (rollout log-probs
-  for the mismatch trigger, not in an async trainer mode).
+  for the mismatch trigger, not in an async trainer mode), and the rollout configurations known
+  to bias the mismatch figures are warned about (:mod:`verl_lrstab.config_checks`).
 - ``_update_actor`` (V0, V1): tags the actor batch with its position in the trainer step
   (:data:`~verl_lrstab.glue.worker.STEP_POSITION_KEY`); the worker refuses an untagged batch.
 - ``compute_rollout_correction_and_add_to_batch``: with rejection sampling (``rollout_rs``) it
@@ -15,6 +16,7 @@ Runs that do not name ``length_surge`` go straight to verl's functions (:func:`~
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from verl_lrstab.glue.configs import length_surge_options
@@ -22,6 +24,7 @@ from verl_lrstab.glue.failsafe import SCHEDULER_NAME
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
 from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError
 
+logger = logging.getLogger("verl_lrstab")
 ASYNC_MODES = ("colocate_async", "separate_async")
 
 _run = threading.local()  # per thread: verl's trainer runs in one thread of its process
@@ -63,7 +66,21 @@ def check_run(config, require) -> None:
                             "mismatch figures mix engine mismatch with policy staleness and the trigger would "
                             "react to staleness. Allowed: trigger: length (the mismatch/* figures are still "
                             "logged), or trainer_mode: sync")
+    warn_about_rollout_config(config)
     _length_surge_runs += 1
+
+
+def warn_about_rollout_config(config) -> None:
+    """The admission check's configuration checks, as warnings at the start of a length_surge run."""
+    from verl_lrstab.config_checks import check_rollout_config
+
+    try:
+        findings = check_rollout_config(config)
+    except Exception as exc:  # noqa: BLE001 - a check must never stop a run it would only warn
+        logger.warning("verl_lrstab: the rollout configuration checks could not run (%r)", exc)
+        return
+    for f in findings:
+        logger.warning("verl_lrstab: %s [%s]", f.message, f.code)
 
 
 def make_trainer_init(original_fn, require):
