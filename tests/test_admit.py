@@ -1,0 +1,69 @@
+"""The admission check's verdict (issue 23): budget, drift at LR 0, the JSON contract."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, calibrated_budget, drift_ratio, judge, report_json,
+                               report_table)
+from verl_lrstab.config_checks import Finding
+
+
+def steps(k3s, **other):
+    return [{"actor/mismatch/k3": k, "actor/mismatch/k1": 2 * k, **other} for k in k3s]
+
+
+def test_a_candidate_within_the_budget_is_admitted_and_one_over_it_rejected():
+    budget = Budget(DEFAULT_BUDGET_K3)
+    ok = judge("bf16", steps([3e-5, 2.5e-5, 3.5e-5, 3e-5]), budget)
+    hot = judge("bf16-t1.3", steps([4e-3, 3.8e-3, 4.2e-3, 4e-3]), budget)
+    assert ok.verdict == "admit" and ok.k3 == pytest.approx(3e-5) and ok.ratio_to_budget == pytest.approx(0.06)
+    assert hot.verdict == "reject" and hot.ratio_to_budget == pytest.approx(8.0)
+    assert "8 x the budget" in hot.reasons[0]
+
+
+def test_k3_that_grows_at_lr_0_is_a_system_mismatch():
+    drifting = judge("drift", steps([1e-5, 1.5e-5, 3e-5, 6e-5, 1.2e-4, 2.4e-4]), Budget(1e-3))
+    assert drifting.verdict == "reject" and drifting.drift_ratio >= 1.5
+    assert "grows at LR 0" in drifting.reasons[0] and "no LR schedule" in drifting.reasons[0]
+    steady = judge("steady", steps([1e-5, 1.3e-5, 0.9e-5, 1.2e-5, 1e-5, 1.1e-5]), Budget(1e-3))
+    assert steady.verdict == "admit" and steady.drift_ratio < 1.5
+    assert drift_ratio([1e-5, 2e-5, 3e-5]) is None  # too few steps to tell
+
+
+def test_no_figures_or_a_failed_run_is_rejected_with_the_reason():
+    none = judge("off", [{"actor/loss": 0.1}] * 3, Budget(1e-3),
+                 findings=[Finding("no_rollout_log_probs", ("x",), "calculate_log_probs=false ...")])
+    assert none.verdict == "reject" and "no actor/mismatch/k3" in none.reasons[0]
+    assert none.findings == ["no_rollout_log_probs"]
+    failed = judge("bad", [], Budget(1e-3), error="exit status 1: unknown key foo")
+    assert failed.verdict == "reject" and failed.reasons[0].startswith("the run failed")
+
+
+def test_a_calibrated_budget_is_the_reference_times_the_factor():
+    reports = [judge("fp32", steps([1e-12] * 4), Budget(1.0)), judge("bf16", steps([3e-5] * 4), Budget(1.0))]
+    b = calibrated_budget(reports, "bf16", 4.0)
+    assert b.value == pytest.approx(1.2e-4) and b.source == "reference" and b.reference == "bf16"
+    with pytest.raises(ValueError, match="--reference 'nope' is not a candidate"):
+        calibrated_budget(reports, "nope", 4.0)
+    with pytest.raises(ValueError, match="--budget-factor"):
+        calibrated_budget(reports, "bf16", 0)
+    with pytest.raises(ValueError, match="--budget"):
+        Budget(-1.0)
+
+
+def test_the_json_contract_and_the_table():
+    budget = Budget(DEFAULT_BUDGET_K3)
+    reports = [judge("bf16-t1.3", steps([4e-3] * 4), budget), judge("fp32", steps([1e-12] * 4), budget),
+               judge("broken", [], budget, error="boom")]
+    data = json.loads(json.dumps(report_json(budget, reports)))
+    assert data["budget"]["value"] == DEFAULT_BUDGET_K3 and data["budget"]["source"] == "default"
+    assert [(c["name"], c["verdict"]) for c in data["candidates"]] == [("bf16-t1.3", "reject"), ("fp32", "admit"),
+                                                                        ("broken", "reject")]
+    assert data["candidates"][1]["k3"] == pytest.approx(1e-12) and data["candidates"][2]["k3"] is None
+    table = report_table(budget, reports).splitlines()
+    assert [line.split("|")[1].strip() for line in table[4:]] == ["fp32", "bf16-t1.3", "broken"]  # by k3, failed last
+    assert not any(math.isnan(c["k3"]) for c in data["candidates"] if c["k3"] is not None)

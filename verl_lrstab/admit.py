@@ -1,0 +1,154 @@
+"""The admission check's verdict (issue 23): a candidate rollout's mismatch against a budget.
+
+Pure functions over the per-step ``actor/mismatch/*`` figures of a few no-update steps (verl's
+``main_ppo`` at LR 0: the trainer scores exactly what the rollout engine sampled). The runner
+that produces them is the next part of issue 23; this module is what it will call, and what a
+user can call on figures logged by their own LR-0 runs.
+
+The default budget is a median k3 of 5e-4 per token: below the smallest k3 of the public
+collapsing runs this method is about (6e-4 to 1.2e-3, the Qwen3-1.7B mismatch study in
+METHOD.md), so a candidate over it is where those runs were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from statistics import median
+from typing import Optional, Sequence
+
+from verl_lrstab.detector import finite_float
+
+FIGURES = ("k1", "k3", "seq_k3", "max_abs_diff", "frac_over_thr")
+DEFAULT_BUDGET_K3 = 5e-4
+DRIFT_FACTOR = 1.5  # median of the last half of the steps / the first half, at LR 0
+MIN_DRIFT_STEPS = 4
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The mismatch budget on the median per-token k3.
+
+    Args:
+        value (float): the budget (> 0).
+        source (str): ``default`` (:data:`DEFAULT_BUDGET_K3`), ``fixed`` (given), or
+            ``reference`` (a trusted candidate's median k3 x ``factor``).
+        reference (str | None): the reference candidate's name.
+        factor (float | None): the factor on the reference.
+    """
+
+    value: float
+    source: str = "default"
+    reference: Optional[str] = None
+    factor: Optional[float] = None
+
+    def __post_init__(self):
+        if finite_float(self.value) is None or self.value <= 0:
+            raise ValueError(f"--budget must be a number > 0, got {self.value!r}")
+
+
+@dataclass
+class CandidateReport:
+    """One candidate's figures (median and spread over the steps), verdict and reasons."""
+
+    name: str
+    steps: int = 0
+    figures: dict = field(default_factory=dict)  # figure -> {"median", "min", "max"}
+    k3: Optional[float] = None
+    drift_ratio: Optional[float] = None
+    ratio_to_budget: Optional[float] = None
+    verdict: str = "reject"
+    reasons: list = field(default_factory=list)
+    findings: list = field(default_factory=list)  # config_checks codes
+    error: Optional[str] = None
+
+
+def summarize(per_step: Sequence[dict]) -> dict:
+    """``{figure: {"median", "min", "max"}}`` over the steps (``mismatch/<figure>`` or the bare name)."""
+    out = {}
+    for name in FIGURES:
+        values = [v for row in per_step
+                  if (v := finite_float(row.get(f"actor/mismatch/{name}", row.get(f"mismatch/{name}", row.get(name)))))
+                  is not None]
+        if values:
+            out[name] = {"median": median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def drift_ratio(k3_by_step: Sequence[float]) -> Optional[float]:
+    """Median k3 of the last half of the steps / the first half (None with fewer than 4 steps)."""
+    values = [v for v in (finite_float(x) for x in k3_by_step) if v is not None]
+    if len(values) < MIN_DRIFT_STEPS:
+        return None
+    half = len(values) // 2
+    first, last = median(values[:half]), median(values[-half:])
+    return last / first if first > 0 else None
+
+
+def judge(name: str, per_step: Sequence[dict], budget: Budget, findings: Sequence = (),
+          error: Optional[str] = None) -> CandidateReport:
+    """The verdict of one candidate: ``admit`` when its median k3 is within the budget, its k3 does not
+    drift at LR 0 and it has figures at all; else ``reject`` with the reasons."""
+    report = CandidateReport(name=name, findings=[getattr(f, "code", str(f)) for f in findings], error=error)
+    report.reasons += [getattr(f, "message", str(f)) for f in findings]
+    if error is not None:
+        report.reasons.insert(0, f"the run failed: {error}")
+        return report
+    report.steps = len(per_step)
+    report.figures = summarize(per_step)
+    if "k3" not in report.figures:
+        report.reasons.insert(0, "no actor/mismatch/k3 was logged (the rollout's log-probs are needed)")
+        return report
+    report.k3 = report.figures["k3"]["median"]
+    report.ratio_to_budget = report.k3 / budget.value
+    k3s = [row.get("actor/mismatch/k3", row.get("mismatch/k3", row.get("k3"))) for row in per_step]
+    report.drift_ratio = drift_ratio(k3s)
+    over = report.ratio_to_budget > 1
+    drifting = report.drift_ratio is not None and report.drift_ratio >= DRIFT_FACTOR
+    if over:
+        report.reasons.insert(0, f"median k3 {report.k3:.3g} is {report.ratio_to_budget:.3g} x the budget "
+                                 f"{budget.value:.3g} ({budget.source})")
+    if drifting:
+        report.reasons.insert(0, f"k3 grows at LR 0 (last half / first half of the steps = {report.drift_ratio:.2f} "
+                                 f">= {DRIFT_FACTOR}): the engines disagree for a system reason, which no LR "
+                                 "schedule fixes (a sampler/trainer configuration, a version regression)")
+    report.verdict = "reject" if over or drifting else "admit"
+    return report
+
+
+def calibrated_budget(reports: Sequence[CandidateReport], reference: str, factor: float) -> Budget:
+    """``factor`` x the median k3 of the trusted ``reference`` candidate."""
+    ref = next((r for r in reports if r.name == reference), None)
+    if ref is None:
+        raise ValueError(f"--reference {reference!r} is not a candidate: allowed values are "
+                         f"{[r.name for r in reports]}")
+    if ref.k3 is None or ref.k3 <= 0:
+        raise ValueError(f"--reference {reference!r} has no positive median k3 to calibrate on")
+    if finite_float(factor) is None or factor <= 0:
+        raise ValueError(f"--budget-factor must be a number > 0, got {factor!r}")
+    return Budget(ref.k3 * factor, "reference", reference, factor)
+
+
+def report_json(budget: Budget, reports: Sequence[CandidateReport]) -> dict:
+    """The JSON contract: ``{"budget": {...}, "candidates": [{"name", "k3", "verdict", ...}]}``."""
+    return {"budget": asdict(budget), "candidates": [asdict(r) for r in reports]}
+
+
+def report_table(budget: Budget, reports: Sequence[CandidateReport]) -> str:
+    """A markdown table, candidates by median k3 (failed ones last)."""
+    order = sorted(reports, key=lambda r: (r.k3 is None, r.k3 or 0.0))
+    lines = [f"budget: median k3 <= {budget.value:.3g} ({budget.source}"
+             + (f": {budget.factor:g} x {budget.reference})" if budget.source == "reference" else ")"),
+             "", "| candidate | steps | k3 median (min-max) | k1 | seq k3 | max abs diff | x budget | drift | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def fig(r, key):
+        f = r.figures.get(key)
+        return "-" if f is None else f"{f['median']:.3g}"
+
+    for r in order:
+        k3 = r.figures.get("k3")
+        k3_cell = "-" if k3 is None else f"{k3['median']:.3g} ({k3['min']:.3g}-{k3['max']:.3g})"
+        lines.append(f"| {r.name} | {r.steps} | {k3_cell} | {fig(r, 'k1')} | {fig(r, 'seq_k3')} | {fig(r, 'max_abs_diff')} | "
+                     f"{'-' if r.ratio_to_budget is None else f'{r.ratio_to_budget:.3g}'} | "
+                     f"{'-' if r.drift_ratio is None else f'{r.drift_ratio:.2f}'} | **{r.verdict}** |")
+    return "\n".join(lines)
