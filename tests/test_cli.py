@@ -397,3 +397,13 @@ def test_replay_reads_the_clip_ratio_the_trainer_consumed():
     assert cosignal_names(df, LengthSurgeConfig())["clip"] == "actor/lrstab/clip_ratio"
     assert cosignal_names(df.drop(columns=["actor/lrstab/clip_ratio"]), LengthSurgeConfig())["clip"] == \
         "response_length/clip_ratio"
+
+
+def test_compare_labels_runs_by_what_tells_them_apart():
+    from verl_lrstab.cli import _labels
+
+    assert _labels(["runs/a/metrics.jsonl", "runs/b/metrics.jsonl"], []) == ["a/metrics", "b/metrics"]
+    assert _labels(["x/s1/metrics.jsonl", "y/s1/metrics.jsonl"], []) == ["x/s1/metrics", "y/s1/metrics"]
+    assert _labels(["const.jsonl", "ls.jsonl"], []) == ["const", "ls"]
+    assert _labels(["a/metrics.jsonl", "b/metrics.jsonl"], ["constant LR"]) == ["constant LR", "metrics"]
+    assert _labels(["m.jsonl", "m.jsonl"], []) == ["m", "m#2"]  # the same file twice

@@ -297,7 +297,22 @@ def score_crash(score, fraction: float = 0.6, window: int = CRASH_WINDOW) -> int
 
 
 def _labels(runs: list[str], given: list[str]) -> list[str]:
-    labels = list(given) + [Path(r).stem if Path(r).suffix else Path(r).name for r in runs[len(given):]]
+    """The runs' legend labels: ``--label`` in order, then what tells the rest apart.
+
+    verl's file logger names every run's file the same (``metrics.jsonl``): a file label is its
+    stem, widened to as many parent folders as it takes to make the labels distinct
+    (``a/metrics`` and ``b/metrics``, not ``metrics`` and ``metrics#2``).
+    """
+    rest = [Path(r) for r in runs[len(given):]]
+
+    def label(p: Path, depth: int) -> str:
+        parts = list(p.with_suffix("").parts) if p.suffix else list(p.parts)
+        return "/".join(parts[-depth:])
+
+    depth = 1
+    while depth < 8 and len({label(p, depth) for p in rest}) < len(rest):
+        depth += 1
+    labels = list(given) + [label(p, depth) for p in rest]
     seen: dict[str, int] = {}
     for i, lab in enumerate(labels):
         seen[lab] = seen.get(lab, 0) + 1

@@ -6,7 +6,8 @@ Usage: python scripts/repro/real_report.py [RUN_DIR ...] [--out outputs/repro/re
 Per run (default: every run under ``outputs/repro/real/``), from verl's metrics JSONL: steps
 logged, the response length (mean of the first and last 10 steps, the highest 5-step median),
 the share at the cap, the training score and verl's validation (through the sampler), the
-mismatch k3 (median of the first and last 20 steps: does it grow with training?), the grad
+mismatch k3 (median of the first and last 20 steps: does it grow with training?), the fp32
+validation of ``real_eval.py`` where it ran, the grad
 norm, and the detector's surge step. Writes ``pilots.md``, ``pilots.json`` and ``pilots.png``
 (length, score, k3 and the longest response against the step, one colour per run).
 """
@@ -64,6 +65,8 @@ def summarize(run_dir: Path) -> dict:
         "val": {int(s): float(v) for s, v in _col(df, val[0]).items()} if val else {},
         "k3_first20": head_tail(k3, 20, "median")[0], "k3_last20": head_tail(k3, 20, "median")[1],
         "grad_norm_max": float(_col(df, GN).max()) if GN in df else None,
+        "fp32_val": {int(k): v["accuracy"] for k, v in json.loads((run_dir / "fp32_val.json").read_text()).items()}
+        if (run_dir / "fp32_val.json").exists() else {},
         "surge_step": int(fired.iloc[0]) if not fired.empty else None,
     }
 
@@ -74,14 +77,16 @@ def _fmt(v, spec=".3g"):
 
 def table(rows: list[dict]) -> str:
     head = ("| run | LR | sampler T | steps | length first 10 -> last 10 (peak 5-step median) | max share at cap | "
-            "score first 10 -> last 10 | verl val (step: acc) | k3 median first 20 -> last 20 | max grad norm | surge |")
+            "score first 10 -> last 10 | verl val, bf16 sampler (step: acc) | fp32 val (step: acc) | "
+            "k3 median first 20 -> last 20 | max grad norm | surge |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         val = ", ".join(f"{s}: {v:.2f}" for s, v in sorted(r["val"].items()))
+        fp32 = ", ".join(f"{s}: {v:.2f}" for s, v in sorted(r["fp32_val"].items()))
         lines.append(f"| {r['run']} | {_fmt(r['lr'])} | {_fmt(r['sampler_temperature'])} | {r['steps']}/{r['of']} | "
                      f"{_fmt(r['length_first10'], '.1f')} -> {_fmt(r['length_last10'], '.1f')} "
                      f"({_fmt(r['length_peak5'], '.1f')}; cap {r['cap']}) | {_fmt(r['clip_max'], '.2f')} | "
-                     f"{_fmt(r['score_first10'], '.2f')} -> {_fmt(r['score_last10'], '.2f')} | {val or '-'} | "
+                     f"{_fmt(r['score_first10'], '.2f')} -> {_fmt(r['score_last10'], '.2f')} | {val or '-'} | {fp32 or '-'} | "
                      f"{_fmt(r['k3_first20'], '.2e')} -> {_fmt(r['k3_last20'], '.2e')} | "
                      f"{_fmt(r['grad_norm_max'], '.2f')} | {r['surge_step'] if r['surge_step'] else 'none'} |")
     return "\n".join(lines)
