@@ -115,14 +115,16 @@ def test_a_save_freq_that_can_never_serve_is_refused_before_verl_starts(tmp_path
 
 def test_a_run_without_trouble_is_the_unguarded_run(tmp_path, assets_dir, main_ppo):
     # 5 steps, no surge yet (the detector needs its baseline first): the guard only watches, and
-    # verl's run is the same as without it (cpu_demo.yaml samples with per-request seeds)
-    short = ["trainer.use_v1=true", "trainer.total_training_steps=5", "trainer.save_freq=2",
-             "++actor_rollout_ref.actor.optim.length_surge.monitor_only=true"]
-    proc, events, _ = guard(tmp_path, assets_dir, overrides=short)
+    # verl's run is the same as without it (cpu_demo.yaml samples with per-request seeds). The
+    # unguarded twin is test_main_ppo_cpu's 5-step V1 run (shared: one run fewer in make test).
+    from test_main_ppo_cpu import SURGE, TRAINER
+
+    short = SURGE + TRAINER["v1"] + ["trainer.total_training_steps=5"]
+    proc, events, _ = guard(tmp_path, assets_dir, overrides=short + ["trainer.save_freq=2"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [e["event"] for e in events] == ["start", "done"]
     guarded = read_metrics(Path(events[-1]["metrics"]))
-    plain = main_ppo("guard-twin", short).metrics
+    plain = main_ppo("short-v1", short).metrics
     assert sorted(guarded) == sorted(plain) == [1, 2, 3, 4, 5]
     for step in plain:
         for key in ("response_length/mean", "actor/lr", "critic/score/mean", "actor/grad_norm"):
