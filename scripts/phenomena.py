@@ -110,6 +110,27 @@ def _format_transient(rng, t, steps=8):
     return np.where(t < steps, start + (1 - start) * (t - 1) / (steps - 1), 1.0)
 
 
+def _excursions(rng, count, starts, min_gap, durations, amplitudes) -> list[tuple[int, int, float]]:
+    """``[(start, duration, amplitude)]``: ``count`` (integer range) excursions with starts in the range
+    ``starts``, at least ``min_gap`` steps apart (50 tries each), durations and amplitudes drawn in theirs."""
+    out: list[tuple[int, int, float]] = []
+    for _ in range(int(rng.integers(*count))):
+        for _try in range(50):
+            at = int(rng.integers(*starts))
+            if all(abs(at - e) > min_gap for e, _, _ in out):
+                out.append((at, int(rng.integers(*durations)), rng.uniform(*amplitudes)))
+                break
+    return out
+
+
+def _with_excursions(level, t, excursions):
+    """``level`` times each excursion: a sin^2 bump to ``amplitude`` x over ``duration`` steps, then back."""
+    for at, dur, amp in excursions:
+        x = np.clip((t - at) / dur, 0, 1)
+        level = level * np.exp(np.log(amp) * np.sin(np.pi * x) ** 2)
+    return level
+
+
 def _collapse_run(rng, cls, name, rise, onset, n, plateau, cv, cap, acc_knots, k3_base, k3_start, doc, **kw):
     t = np.arange(1, n + 1)
     level = np.minimum(plateau * rise * _format_transient(rng, t), cap)
@@ -174,16 +195,8 @@ def class_d(rng, name) -> Trace:
     t = np.arange(1, n + 1)
     drift_steps = rng.uniform(1000, 3000)
     level = plateau * 1.5 ** np.clip(t / drift_steps, 0, 1) * (1 + 0.05 * np.sin(2 * np.pi * t / rng.uniform(500, 1500)))
-    excursions = []
-    for _ in range(int(rng.integers(2, 6))):
-        for _try in range(50):
-            at = int(rng.integers(100, n - 60))
-            if all(abs(at - e) > 300 for e, _, _ in excursions):
-                excursions.append((at, int(rng.integers(25, 41)), rng.uniform(1.3, 1.9)))
-                break
-    for at, dur, amp in excursions:
-        x = np.clip((t - at) / dur, 0, 1)
-        level = level * np.exp(np.log(amp) * np.sin(np.pi * x) ** 2)
+    excursions = _excursions(rng, (2, 6), (100, n - 60), 300, (25, 41), (1.3, 1.9))
+    level = _with_excursions(level, t, excursions)
     cap = plateau * rng.uniform(4, 6)
     acc = 0.3 + 0.35 * t / n
     exc = ", ".join(f"{amp:.2f}x at {at} ({dur} steps)" for at, dur, amp in sorted(excursions))
@@ -246,16 +259,8 @@ def class_h(rng, name) -> Trace:
     t = np.arange(1, n + 1)
     growth = rng.uniform(1.2, 1.8)
     level = plateau * growth ** (t / n)
-    excursions = []
-    for _ in range(int(rng.integers(3, 9))):
-        for _try in range(50):
-            at = int(rng.integers(60, n - 20))
-            if all(abs(at - e) > 60 for e, _, _ in excursions):
-                excursions.append((at, int(rng.integers(5, 16)), rng.uniform(1.3, 2.0)))
-                break
-    for at, dur, amp in excursions:
-        x = np.clip((t - at) / dur, 0, 1)
-        level = level * np.exp(np.log(amp) * np.sin(np.pi * x) ** 2)
+    excursions = _excursions(rng, (3, 9), (60, n - 20), 60, (5, 16), (1.3, 2.0))
+    level = _with_excursions(level, t, excursions)
     cap = plateau * growth * rng.uniform(3, 5)  # 3-5x the final level: a healthy run's truncation stays low
     acc = 0.3 + 0.3 * t / n
     exc = ", ".join(f"{amp:.2f}x at {at} ({dur} steps)" for at, dur, amp in sorted(excursions))

@@ -22,7 +22,8 @@ from typing import Optional, Sequence
 from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, CandidateReport, calibrated_budget, judge, report_json,
                                report_table)
 from verl_lrstab.config_checks import check_rollout_config
-from verl_lrstab.guard.supervisor import compose_config, read_records, split_command
+from verl_lrstab.guard.supervisor import compose_config, split_command
+from verl_lrstab.runs import read_metrics
 
 OPTIM = "actor_rollout_ref.actor.optim"
 NO_UPDATE = [
@@ -100,7 +101,7 @@ def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], step
                     error = f"verl exited with status {proc.returncode} (log: {log})"
             except subprocess.TimeoutExpired:
                 error = f"no result within {timeout_s:.0f} s (log: {log})"
-        records = read_records(metrics)
+        records = read_metrics(metrics)
         results.append((cand, [records[s] for s in sorted(records)], findings, error, time.monotonic() - start))
     provisional = budget or Budget(1.0)
     reports = [judge(c.name, rows, provisional, findings, err) for c, rows, findings, err, _ in results]

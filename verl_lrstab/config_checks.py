@@ -24,7 +24,9 @@ class Finding:
     message: str
 
 
-def _get(cfg, path: str, default: Any = None) -> Any:
+def config_value(cfg, path: str, default: Any = None) -> Any:
+    """``cfg`` at the dotted ``path`` (OmegaConf, dicts or dataclasses), or ``default`` when a key is
+    missing, null or an interpolation that does not resolve."""
     node = cfg
     for key in path.split("."):
         try:
@@ -39,13 +41,13 @@ def _get(cfg, path: str, default: Any = None) -> Any:
 def _changes_distribution(cfg) -> list[str]:
     """The sampling parameters that make the sampled distribution differ from the model's softmax."""
     out = []
-    temperature = _get(cfg, f"{ROLLOUT}.temperature", 1.0)
+    temperature = config_value(cfg, f"{ROLLOUT}.temperature", 1.0)
     if temperature is not None and float(temperature) != 1.0:
         out.append(f"{ROLLOUT}.temperature={temperature}")
-    top_p = _get(cfg, f"{ROLLOUT}.top_p", 1.0)
+    top_p = config_value(cfg, f"{ROLLOUT}.top_p", 1.0)
     if top_p is not None and float(top_p) < 1.0:
         out.append(f"{ROLLOUT}.top_p={top_p}")
-    top_k = _get(cfg, f"{ROLLOUT}.top_k", -1)
+    top_k = config_value(cfg, f"{ROLLOUT}.top_k", -1)
     if top_k is not None and int(top_k) > 0:
         out.append(f"{ROLLOUT}.top_k={top_k}")
     return out
@@ -61,12 +63,12 @@ def check_rollout_config(cfg) -> list[Finding]:
         The findings, in a fixed order; empty when nothing is known to bias the figures.
     """
     findings: list[Finding] = []
-    if not _get(cfg, f"{ROLLOUT}.calculate_log_probs", True):
+    if not config_value(cfg, f"{ROLLOUT}.calculate_log_probs", True):
         findings.append(Finding(
             "no_rollout_log_probs", (f"{ROLLOUT}.calculate_log_probs",),
             f"{ROLLOUT}.calculate_log_probs=false: the rollout engine returns no log-probs, so no mismatch "
             "figure can be measured (actor/mismatch/* are not logged). Set it to true."))
-    mode = str(_get(cfg, f"{ROLLOUT}.logprobs_mode", "processed_logprobs"))
+    mode = str(config_value(cfg, f"{ROLLOUT}.logprobs_mode", "processed_logprobs"))
     shaping = _changes_distribution(cfg)
     if mode != "processed_logprobs" and shaping:
         findings.append(Finding(
@@ -76,20 +78,20 @@ def check_rollout_config(cfg) -> list[Finding]:
             "sampling parameters' effect, not the engines' disagreement (a system mismatch no LR schedule "
             "fixes). Set logprobs_mode=processed_logprobs."))
     top = [s for s in shaping if not s.startswith(f"{ROLLOUT}.temperature")]
-    if top and (_get(cfg, f"{RC}.rollout_is") is not None or _get(cfg, f"{RC}.rollout_rs") is not None
-                or _get(cfg, f"{RC}.bypass_mode", False)):
+    if top and (config_value(cfg, f"{RC}.rollout_is") is not None or config_value(cfg, f"{RC}.rollout_rs") is not None
+                or config_value(cfg, f"{RC}.bypass_mode", False)):
         findings.append(Finding(
             "truncated_sampling_with_rollout_correction", (*[s.split("=")[0] for s in top], RC),
             f"{', '.join(top)} with rollout correction ({RC}): the sampler draws from a truncated "
             "distribution the trainer does not score (its log-probs are over the full vocabulary), which "
             "biases the IS ratio and the mismatch figures upward. Sample with top_p=1 and top_k=-1, or "
             "read the figures as an upper bound."))
-    use_v1 = bool(_get(cfg, "trainer.use_v1", True))
-    if not use_v1 and _get(cfg, f"{RC}.bypass_mode", False):
-        set_keys = [k for k in ("rollout_is", "rollout_rs") if _get(cfg, f"{RC}.{k}") is not None]
-        if str(_get(cfg, f"{RC}.loss_type", "ppo_clip")) != "ppo_clip":
+    use_v1 = bool(config_value(cfg, "trainer.use_v1", True))
+    if not use_v1 and config_value(cfg, f"{RC}.bypass_mode", False):
+        set_keys = [k for k in ("rollout_is", "rollout_rs") if config_value(cfg, f"{RC}.{k}") is not None]
+        if str(config_value(cfg, f"{RC}.loss_type", "ppo_clip")) != "ppo_clip":
             set_keys.append("loss_type")
-        loss_mode = str(_get(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla"))
+        loss_mode = str(config_value(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla"))
         if set_keys and loss_mode != "bypass_mode":
             findings.append(Finding(
                 "v0_bypass_correction_not_applied",

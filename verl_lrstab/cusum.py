@@ -181,10 +181,11 @@ class CusumDetector:
             return False
         base_rows = self._baseline_rows(step)
         # the level: the last LEVEL_STEPS steps, at least LEVEL_ROWS rows (one row of a sparse log is one batch)
-        late = [v for s, v in self._log if s > self.skip_first_steps]
-        self.level = math.exp(median([v for s, v in self._log if s > step - LEVEL_STEPS and s > self.skip_first_steps]
-                                     if sum(s > step - LEVEL_STEPS for s, _ in self._log) >= LEVEL_ROWS
-                                     else late[-LEVEL_ROWS:]))
+        late = [(s, v) for s, v in self._log if s > self.skip_first_steps]
+        recent = [v for s, v in late if s > step - LEVEL_STEPS]
+        if sum(s > step - LEVEL_STEPS for s, _ in self._log) < LEVEL_ROWS:
+            recent = [v for _, v in late[-LEVEL_ROWS:]]
+        self.level = math.exp(median(recent))
         if len(base_rows) < 3:
             self.baseline = self.ratio = self.noise = _NAN
             return False

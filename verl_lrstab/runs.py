@@ -124,6 +124,28 @@ def find_metric(df: pd.DataFrame, candidates: Sequence[str]) -> str | None:
 
 
 # -- readers -------------------------------------------------------------------------------------
+def read_metrics(path: os.PathLike) -> dict[int, dict]:
+    """verl's file-logger JSONL (``{"step": N, "data": {...}}`` per line) as ``{step: data}``.
+
+    A line being written while we read (no newline yet) is ignored; lines of the same step are
+    merged (later values win).
+    """
+    out: dict[int, dict] = {}
+    path = Path(path)
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out.setdefault(int(record["step"]), {}).update(record["data"])
+    return out
+
+
 def _first_char(p: Path) -> str:
     with open(p, "rb") as f:
         return f.read(4096).decode("utf-8", "replace").lstrip()[:1]

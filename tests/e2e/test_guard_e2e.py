@@ -18,6 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_lrstab.cpu.launch import CONFIG_DIR, cpu_env
+from verl_lrstab.runs import read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -37,14 +38,6 @@ def guard(tmp_path: Path, assets_dir: Path, *options: str, overrides=RUN, timeou
     proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
     events = [json.loads(line) for line in (run_dir / "guard" / "lrstab_events.jsonl").read_text().splitlines()]
     return proc, events, run_dir
-
-
-def read_metrics(path: Path) -> dict[int, dict]:
-    out = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        out[row["step"]] = row["data"]
-    return out
 
 
 @pytest.fixture(scope="module")

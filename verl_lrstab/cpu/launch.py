@@ -8,7 +8,6 @@ that is killed, Ray children included, when the deadline passes.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from verl_lrstab.runs import read_metrics  # noqa: F401  (here since the CPU launcher came first)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -48,28 +49,6 @@ def cpu_env(assets_dir: os.PathLike, metrics_path: os.PathLike, run_dir: os.Path
     )
     env.update(extra or {})
     return env
-
-
-def read_metrics(path: os.PathLike) -> dict[int, dict]:
-    """verl's file-logger JSONL (``{"step": N, "data": {...}}`` per line) as ``{step: data}``.
-
-    A line being written while we read (no newline yet) is ignored; lines of the same step are
-    merged (later values win).
-    """
-    out: dict[int, dict] = {}
-    path = Path(path)
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        out.setdefault(int(record["step"]), {}).update(record["data"])
-    return out
 
 
 def print_new_steps(total: int, describe: Callable[[dict], str]) -> Callable[[dict], None]:

@@ -132,15 +132,15 @@ def v0_trainer_checks(module, fn):
 def response_cap(config) -> int:
     """The rollout's response cap in tokens (``actor_rollout_ref.rollout.response_length``, which verl
     sets from ``data.max_response_length``); 0 if the config has neither (no clip ratio is fed then)."""
+    from verl_lrstab.config_checks import config_value
+
     for path in ("actor_rollout_ref.rollout.response_length", "data.max_response_length"):
-        node = config
         try:
-            for key in path.split("."):
-                node = node.get(key) if hasattr(node, "get") else getattr(node, key)
-            if node is not None and int(node) > 0:
-                return int(node)
-        except (AttributeError, KeyError, TypeError, ValueError):
+            cap = int(config_value(config, path, 0))
+        except (TypeError, ValueError):
             continue
+        if cap > 0:
+            return cap
     return 0
 
 

@@ -16,6 +16,7 @@ from typing import Optional
 import pandas as pd
 
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.config_checks import config_value
 from verl_lrstab.schedule import decay_period_from_surge, replay
 
 logger = logging.getLogger("verl_lrstab")
@@ -79,18 +80,6 @@ class RunPlan:
     warnings: list = field(default_factory=list)
 
 
-def _get(cfg, path: str, default=None):
-    node = cfg
-    for key in path.split("."):
-        try:
-            node = node.get(key) if hasattr(node, "get") else getattr(node, key)
-        except Exception:  # noqa: BLE001 - an unresolvable interpolation counts as absent
-            return default
-        if node is None:
-            return default
-    return node
-
-
 def plan_run(cfg, cwd: Path) -> RunPlan:
     """Check the checkpoint settings of verl's composed config; refuse what can never roll back.
 
@@ -98,8 +87,8 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
         cfg: the composed ``ppo_trainer`` config (OmegaConf) of the guarded command.
         cwd: the directory the command runs in (verl's relative ``default_local_dir`` is under it).
     """
-    save_freq = int(_get(cfg, "trainer.save_freq", -1))
-    total = _get(cfg, "trainer.total_training_steps")
+    save_freq = int(config_value(cfg, "trainer.save_freq", -1))
+    total = config_value(cfg, "trainer.total_training_steps")
     total = int(total) if total is not None else None
     if save_freq <= 0:
         raise GuardError(f"trainer.save_freq={save_freq}: verl saves no checkpoint, so no rollback could ever find "
@@ -108,9 +97,9 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
         raise GuardError(f"trainer.save_freq={save_freq} with trainer.total_training_steps={total}: the only "
                          "checkpoint is the last step, so no rollback could ever use one. Set trainer.save_freq "
                          f"below {total}")
-    keep = _get(cfg, "trainer.max_actor_ckpt_to_keep")
+    keep = config_value(cfg, "trainer.max_actor_ckpt_to_keep")
     keep = int(keep) if keep is not None else None
-    contents = list(_get(cfg, "actor_rollout_ref.actor.checkpoint.save_contents", ["model", "optimizer", "extra"]))
+    contents = list(config_value(cfg, "actor_rollout_ref.actor.checkpoint.save_contents", ["model", "optimizer", "extra"]))
     missing = [c for c in ("model", "optimizer", "extra") if c not in contents]
     if missing:
         raise GuardError(f"actor_rollout_ref.actor.checkpoint.save_contents={contents} lacks {missing}: verl cannot "
@@ -122,16 +111,16 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
                         "than that cannot be rolled back to before it")
     if save_freq > 50:
         warnings.append(f"trainer.save_freq={save_freq}: a rollback costs up to {save_freq} steps")
-    options = _get(cfg, f"{OPTIM}.length_surge", {}) or {}
+    options = config_value(cfg, f"{OPTIM}.length_surge", {}) or {}
     from verl_lrstab.glue.configs import plain
 
     ls = LengthSurgeConfig.from_dict({k: v for k, v in plain(options).items() if k != "_target_"})
-    checkpoint_dir = Path(str(_get(cfg, "trainer.default_local_dir", "checkpoints")))
+    checkpoint_dir = Path(str(config_value(cfg, "trainer.default_local_dir", "checkpoints")))
     if not checkpoint_dir.is_absolute():
         checkpoint_dir = cwd / checkpoint_dir
-    seed = _get(cfg, "actor_rollout_ref.rollout.seed")
+    seed = config_value(cfg, "actor_rollout_ref.rollout.seed")
     return RunPlan(checkpoint_dir=checkpoint_dir, save_freq=save_freq, total_steps=total, keep=keep,
-                   length_surge=ls, scheduler=str(_get(cfg, f"{OPTIM}.lr_scheduler_type", "constant")),
+                   length_surge=ls, scheduler=str(config_value(cfg, f"{OPTIM}.lr_scheduler_type", "constant")),
                    rollout_seed=int(seed) if seed is not None else None, warnings=warnings)
 
 

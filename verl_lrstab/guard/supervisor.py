@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from verl_lrstab.runs import read_metrics
 from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, checkpoint_steps, choose_checkpoint,
                                     decay_period_for, find_trouble, plan_run, rollback_overrides)
 
@@ -96,24 +97,6 @@ class EventLog:
         return record
 
 
-def read_records(path: Path) -> dict[int, dict]:
-    """verl's file-logger JSONL (``{"step": N, "data": {...}}`` per line) as ``{step: data}``."""
-    out: dict[int, dict] = {}
-    if not path.exists():
-        return out
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line verl is still writing
-            out[int(row["step"])] = row.get("data", row)
-    return out
-
-
 class Guard:
     """One guarded run (see the module docstring).
 
@@ -132,7 +115,11 @@ class Guard:
         self.options, self.poll_s = options, poll_s
         self.cwd = Path(cwd or os.getcwd()).resolve()
         self.env = dict(os.environ if env is None else env)
-        self.plan: RunPlan = plan_run(compose_config(self.launcher, self.overrides, self.cwd), self.cwd)
+        cfg = compose_config(self.launcher, self.overrides, self.cwd)
+        self.plan: RunPlan = plan_run(cfg, self.cwd)
+        loggers = list(cfg.trainer.get("logger", []) or [])
+        # verl's file logger is what the guard reads: added when the run does not log to a file already
+        self._logger_override = [] if "file" in loggers else [f"trainer.logger=[{','.join([*loggers, 'file'])}]"]
         self.run_dir = Path(run_dir or self.plan.checkpoint_dir.parent / "lrstab_guard").resolve()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -208,7 +195,7 @@ class Guard:
         """Run verl once; stop it at the first trouble after ``after``. Returns ``(trouble, returncode)``."""
         env = {**self.env, "VERL_FILE_LOGGER_PATH": str(seg)}
         overrides = [o for o in self.overrides if not o.startswith(("trainer.resume_mode=", "trainer.resume_from_path="))]
-        cmd = self.launcher + overrides + self._file_logger() + extra
+        cmd = self.launcher + overrides + self._logger_override + extra
         log = seg.with_suffix(".log")
         with open(log, "w") as out:
             out.write("$ " + " ".join(cmd) + "\n")
@@ -246,17 +233,12 @@ class Guard:
             return replace(self.options, on_surge=False)
         return self.options
 
-    def _file_logger(self) -> list[str]:
-        cfg = compose_config(self.launcher, self.overrides, self.cwd)
-        loggers = list(cfg.trainer.get("logger", []) or [])
-        return [] if "file" in loggers else [f"trainer.logger=[{','.join([*loggers, 'file'])}]"]
-
     def _trajectory(self, segments) -> dict[int, dict]:
         """The run so far: each segment's steps, later segments replacing from where they resumed."""
         merged: dict[int, dict] = {}
         for path, first in segments:
             merged = {s: d for s, d in merged.items() if s < first}
-            merged.update({s: d for s, d in read_records(path).items() if s >= first})
+            merged.update({s: d for s, d in read_metrics(path).items() if s >= first})
         return merged
 
     def _keep_abandoned(self, attempt: int, ckpt: int, seg: Path) -> Path:
