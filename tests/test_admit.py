@@ -67,3 +67,67 @@ def test_the_json_contract_and_the_table():
     table = report_table(budget, reports).splitlines()
     assert [line.split("|")[1].strip() for line in table[4:]] == ["fp32", "bf16-t1.3", "broken"]  # by k3, failed last
     assert not any(math.isnan(c["k3"]) for c in data["candidates"] if c["k3"] is not None)
+
+
+# -- the runner's candidates and the distribution figure ---------------------------------------------
+def test_a_candidates_env_tokens_reach_verls_ray_runtime_env_as_strings():
+    from pathlib import Path
+
+    from verl_lrstab.admit_runner import NO_UPDATE, QUIET, parse_candidate
+    from verl_lrstab.guard.supervisor import compose_config
+
+    cand = parse_candidate("bf16-t1.3=actor_rollout_ref.rollout.dtype=bfloat16 env:LRSTAB_VLLM_SAMPLER_TEMPERATURE=1.3 "
+                           "env:LRSTAB_VLLM_SAMPLER_WEIGHTS=fp8_e4m3")
+    assert cand.overrides == ["actor_rollout_ref.rollout.dtype=bfloat16"]
+    assert cand.env == {"LRSTAB_VLLM_SAMPLER_TEMPERATURE": "1.3", "LRSTAB_VLLM_SAMPLER_WEIGHTS": "fp8_e4m3"}
+    launcher = ["python", "-m", "verl.trainer.main_ppo"]
+    cfg = compose_config(launcher, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", *QUIET,
+                                    "++ray_kwargs.ray_init.address=auto", *cand.launch_overrides(), *NO_UPDATE],
+                         Path.cwd())
+    env_vars = dict(cfg.ray_kwargs.ray_init.runtime_env.env_vars)
+    assert env_vars == cand.env and all(isinstance(v, str) for v in env_vars.values())  # Ray takes strings only
+    assert cfg.ray_kwargs.ray_init.address == "auto"
+    assert cfg.actor_rollout_ref.actor.optim.lr == 0.0 and cfg.trainer.save_freq == -1
+    # a candidate may override the quiet defaults (a checkpoint to check), never the LR
+    saving = parse_candidate("save=trainer.save_freq=2 actor_rollout_ref.actor.optim.lr=1e-3")
+    cfg = compose_config(launcher, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", *QUIET,
+                                    *saving.launch_overrides(), *NO_UPDATE], Path.cwd())
+    assert cfg.trainer.save_freq == 2 and cfg.actor_rollout_ref.actor.optim.lr == 0.0
+
+
+@pytest.mark.parametrize("text, named", [("=x=1", "NAME"), ("a/b=x=1", "NAME"), ("ok=env:1BAD=x", "env:1BAD=x"),
+                                         ("ok=env:NOVALUE", "env:NOVALUE"), ("ok=env:Q='x'", "env:Q='x'")])
+def test_a_malformed_candidate_is_refused_naming_the_token(text, named):
+    from verl_lrstab.admit_runner import parse_candidate
+
+    with pytest.raises(ValueError, match=named.replace("'", ".")):
+        parse_candidate(text)
+
+
+def tail_rows(tails, n_tokens):
+    labels = ("1e-6", "1e-5", "1e-4", "1e-3", "1e-2", "0.1", "1")
+    return {"actor/mismatch/k3": 1e-4, "actor/mismatch/n_tokens": n_tokens,
+            **{f"actor/mismatch/frac_over_{label}": share for label, share in zip(labels, tails)}}
+
+
+def test_tail_shares_weigh_the_steps_by_their_tokens():
+    from verl_lrstab.admit import tail_shares
+
+    rows = [tail_rows([1.0, 0.5, 0.2, 0.1, 0.0, 0.0, 0.0], 100), tail_rows([1.0, 0.8, 0.5, 0.1, 0.1, 0.0, 0.0], 300)]
+    got = tail_shares(rows)
+    assert got["1e-5"] == pytest.approx((0.5 * 100 + 0.8 * 300) / 400)
+    assert got["1e-2"] == pytest.approx(0.075) and got["1"] == 0.0
+    assert tail_shares([{"actor/mismatch/k3": 1e-4}]) == {}  # logged by an older version: no tail, no fake zeros
+
+
+def test_the_distribution_figure_draws_every_candidate_with_a_tail(tmp_path):
+    from verl_lrstab.admit import plot_tails
+
+    budget = Budget(DEFAULT_BUDGET_K3)
+    reports = [judge("fp32", [tail_rows([1e-3, 0, 0, 0, 0, 0, 0], 50)] * 4, budget),
+               judge("bf16", [tail_rows([0.99, 0.9, 0.6, 0.2, 0.01, 0, 0], 50)] * 4, budget),
+               judge("broken", [], budget, error="boom")]
+    assert reports[1].tail["1e-3"] == pytest.approx(0.2)
+    path = plot_tails(reports, tmp_path / "admit.png")
+    assert path.stat().st_size > 10_000
+    assert plot_tails(reports[2:], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()

@@ -12,6 +12,8 @@ import torch.multiprocessing as mp
 from verl_lrstab.mismatch import (
     DEFAULT_THRESHOLD,
     STAT_FIELDS,
+    TAIL_EDGES,
+    TAIL_LABELS,
     all_reduce_or_none,
     all_reduce_stats,
     compute_stats,
@@ -71,6 +73,30 @@ def test_hand_computed_values():
     assert m["mismatch/max_abs_diff"] == pytest.approx(1.0, rel=1e-12)  # 123 is padding
     assert m["mismatch/frac_over_thr"] == pytest.approx(3 / 4)
     assert m["mismatch/n_tokens"] == 4 and m["mismatch/n_nonfinite"] == 0
+
+
+def test_tail_shares_count_the_tokens_above_each_decade():
+    # |d| of the 6 response tokens: 0, 5e-7, 2e-6, 3e-4, 0.05, 2.0; padding holds a 10 that must not count
+    d = torch.tensor([[0.0, 5e-7, 2e-6, 3e-4], [-0.05, 2.0, 10.0, 10.0]], dtype=torch.float64)
+    rollout = torch.full_like(d, -2.0)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    m = mismatch_metrics(rollout + d, rollout, mask)
+    above = {"1e-6": 4, "1e-5": 3, "1e-4": 3, "1e-3": 2, "1e-2": 2, "0.1": 1, "1": 1}
+    assert TAIL_LABELS == tuple(above)
+    for label, count in above.items():
+        assert m[f"mismatch/frac_over_{label}"] == pytest.approx(count / 6), label
+
+
+def test_tail_shares_fall_with_the_edge_and_match_a_direct_count():
+    old, roll, mask = _batch(bs=16, scale=0.3)
+    a = (old - roll)[mask.bool()].abs()
+    m = mismatch_metrics(old, roll, mask)
+    shares = [m[f"mismatch/frac_over_{label}"] for label in TAIL_LABELS]
+    assert shares == sorted(shares, reverse=True)
+    for edge, share in zip(TAIL_EDGES, shares):
+        assert share == pytest.approx((a > edge).double().mean().item()), edge
+    # jagged and padded layouts agree
+    _assert_same(mismatch_metrics(_nested(old, mask), _nested(roll, mask), _nested(mask, mask)), m, rel=1e-12)
 
 
 def test_default_threshold_is_log2():

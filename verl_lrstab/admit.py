@@ -2,8 +2,8 @@
 
 Pure functions over the per-step ``actor/mismatch/*`` figures of a few no-update steps (verl's
 ``main_ppo`` at LR 0: the trainer scores exactly what the rollout engine sampled). The runner
-that produces them is the next part of issue 23; this module is what it will call, and what a
-user can call on figures logged by their own LR-0 runs.
+that produces them is :mod:`verl_lrstab.admit_runner`; a user can call these on figures logged by
+their own LR-0 runs.
 
 The default budget is a median k3 of 5e-4 per token: below the smallest k3 of the public
 collapsing runs this method is about (6e-4 to 1.2e-3, the Qwen3-1.7B mismatch study in
@@ -17,6 +17,7 @@ from statistics import median
 from typing import Optional, Sequence
 
 from verl_lrstab.detector import finite_float
+from verl_lrstab.mismatch import TAIL_EDGES, TAIL_LABELS
 
 FIGURES = ("k1", "k3", "seq_k3", "max_abs_diff", "frac_over_thr")
 DEFAULT_BUDGET_K3 = 5e-4
@@ -60,17 +61,32 @@ class CandidateReport:
     reasons: list = field(default_factory=list)
     findings: list = field(default_factory=list)  # config_checks codes
     error: Optional[str] = None
+    tail: dict = field(default_factory=dict)  # "1e-3" -> share of all the steps' tokens with |d| > 1e-3
 
 
 def summarize(per_step: Sequence[dict]) -> dict:
     """``{figure: {"median", "min", "max"}}`` over the steps (``mismatch/<figure>`` or the bare name)."""
     out = {}
     for name in FIGURES:
-        values = [v for row in per_step
-                  if (v := finite_float(row.get(f"actor/mismatch/{name}", row.get(f"mismatch/{name}", row.get(name)))))
-                  is not None]
+        values = [v for row in per_step if (v := _figure(row, name)) is not None]
         if values:
             out[name] = {"median": median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def _figure(row: dict, name: str):
+    return finite_float(row.get(f"actor/mismatch/{name}", row.get(f"mismatch/{name}", row.get(name))))
+
+
+def tail_shares(per_step: Sequence[dict]) -> dict:
+    """``{label: share}``: the tokens of all the steps with ``|d| >`` each edge of
+    :data:`~verl_lrstab.mismatch.TAIL_EDGES` (each step weighted by its ``n_tokens``; 1 without it)."""
+    out = {}
+    for label in TAIL_LABELS:
+        pairs = [(share, _figure(row, "n_tokens") or 1.0) for row in per_step
+                 if (share := _figure(row, f"frac_over_{label}")) is not None]
+        if pairs:
+            out[label] = sum(s * n for s, n in pairs) / sum(n for _, n in pairs)
     return out
 
 
@@ -95,13 +111,13 @@ def judge(name: str, per_step: Sequence[dict], budget: Budget, findings: Sequenc
         return report
     report.steps = len(per_step)
     report.figures = summarize(per_step)
+    report.tail = tail_shares(per_step)
     if "k3" not in report.figures:
         report.reasons.insert(0, "no actor/mismatch/k3 was logged (the rollout's log-probs are needed)")
         return report
     report.k3 = report.figures["k3"]["median"]
     report.ratio_to_budget = report.k3 / budget.value
-    k3s = [row.get("actor/mismatch/k3", row.get("mismatch/k3", row.get("k3"))) for row in per_step]
-    report.drift_ratio = drift_ratio(k3s)
+    report.drift_ratio = drift_ratio([_figure(row, "k3") for row in per_step])
     over = report.ratio_to_budget > 1
     drifting = report.drift_ratio is not None and report.drift_ratio >= DRIFT_FACTOR
     if over:
@@ -152,3 +168,25 @@ def report_table(budget: Budget, reports: Sequence[CandidateReport]) -> str:
                      f"{'-' if r.ratio_to_budget is None else f'{r.ratio_to_budget:.3g}'} | "
                      f"{'-' if r.drift_ratio is None else f'{r.drift_ratio:.2f}'} | **{r.verdict}** |")
     return "\n".join(lines)
+
+
+def plot_tails(reports: Sequence[CandidateReport], path, title: str = "per-token |log p_trainer - log p_rollout|"):
+    """Each candidate's survival function of the per-token ``|d|`` on log-log axes: the share of
+    tokens above each decade edge (the largest ``|d|`` seen is in the legend).
+
+    Returns:
+        The path written, or None when no candidate has tail figures.
+    """
+    from verl_lrstab import plots
+
+    curves = []
+    for r in sorted(reports, key=lambda r: (r.k3 is None, r.k3 or 0.0)):
+        points = [(edge, r.tail[label]) for edge, label in zip(TAIL_EDGES, TAIL_LABELS) if r.tail.get(label, 0) > 0]
+        if not points:
+            continue
+        top = (r.figures.get("max_abs_diff") or {}).get("max")
+        label = r.name + (f": k3 {r.k3:.2g}" if r.k3 is not None else "") + (f", max |d| {top:.2g}" if top else "")
+        curves.append((label + f" ({r.verdict})", points))
+    if not curves:
+        return None
+    return plots.plot_survival(curves, title, "|d| (nats)", "share of response tokens with |d| > x", path)

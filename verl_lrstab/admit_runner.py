@@ -5,22 +5,28 @@ the configuration (:mod:`verl_lrstab.config_checks`), runs a few steps with no p
 (``optim.lr=0``; the ``length_surge`` scheduler in ``monitor_only`` mode only so that the
 package's ``actor/mismatch/*`` figures are logged every step), and judges the logged figures
 against the budget (:mod:`verl_lrstab.admit`). One failing candidate is reported and the others
-still run. Each candidate is its own ``main_ppo`` launch (its own Ray cluster): the wall time per
-candidate is in the report.
+still run. Each candidate is its own ``main_ppo`` launch; with ``ray_address`` every launch joins
+that one Ray cluster (verl's ``ray_kwargs.ray_init.address``), else each starts its own. The wall
+time per candidate is in the report.
+
+A candidate's ``env:NAME=VALUE`` tokens set an environment variable for that candidate only: in
+the launch's environment and in verl's Ray ``runtime_env`` (so it reaches every worker, also on a
+shared cluster), e.g. ``env:VLLM_ATTENTION_BACKEND=FLASHINFER``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, CandidateReport, calibrated_budget, judge, report_json,
-                               report_table)
+from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, CandidateReport, calibrated_budget, judge, plot_tails,
+                               report_json, report_table)
 from verl_lrstab.config_checks import check_rollout_config
 from verl_lrstab.guard.supervisor import compose_config, split_command
 from verl_lrstab.runs import read_metrics
@@ -31,30 +37,47 @@ NO_UPDATE = [
     f"{OPTIM}.lr_warmup_steps=0",
     f"{OPTIM}.lr_scheduler_type=length_surge",
     f"++{OPTIM}.length_surge.monitor_only=true",  # logs actor/mismatch/* every step
-    "trainer.save_freq=-1",
-    "trainer.test_freq=-1",
-    "trainer.val_before_train=false",
 ]
+# Defaults a candidate may override (e.g. a checkpoint to check that no weight moved).
+QUIET = ["trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false"]
+ENV_PREFIX = "env:"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass
 class Candidate:
     name: str
     overrides: list
+    env: dict = field(default_factory=dict)
+
+    def launch_overrides(self) -> list:
+        """The verl overrides, plus the environment as Ray ``runtime_env`` entries (quoted: strings)."""
+        return self.overrides + [f"++ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in self.env.items()]
 
 
 def parse_candidate(text: str) -> Candidate:
-    """``NAME=override override ...`` (the overrides space-separated; none for the base command)."""
+    """``NAME=override override ... env:VAR=VALUE ...`` (space-separated; nothing for the base command)."""
     name, sep, rest = text.partition("=")
-    if not sep or not name.strip() or "/" in name or " " in name.strip():
+    if not sep or not re.fullmatch(r"[A-Za-z0-9._-]+", name.strip()):
         raise ValueError(f"--candidate {text!r}: expected NAME=\"override override ...\" with a NAME of letters, "
                          "digits, '-', '_' or '.'")
-    return Candidate(name.strip(), rest.split())
+    overrides, env = [], {}
+    for token in rest.split():
+        if not token.startswith(ENV_PREFIX):
+            overrides.append(token)
+            continue
+        var, eq, value = token[len(ENV_PREFIX):].partition("=")
+        if not eq or not _ENV_NAME.match(var) or "'" in value:
+            raise ValueError(f"--candidate {name.strip()}: {token!r} is not env:NAME=VALUE (a variable name, a value "
+                             "without quotes)")
+        env[var] = value
+    return Candidate(name.strip(), overrides, env)
 
 
 def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], steps: int, out_dir: Path,
                    budget: Optional[Budget] = None, reference: Optional[str] = None, factor: float = 4.0,
-                   env: Optional[dict] = None, cwd: Optional[Path] = None, timeout_s: float = 1800) -> dict:
+                   env: Optional[dict] = None, cwd: Optional[Path] = None, timeout_s: float = 1800,
+                   ray_address: Optional[str] = None, progress=None) -> dict:
     """Run and judge every candidate; write ``admit.json`` and ``admit.md`` under ``out_dir``.
 
     Args:
@@ -65,6 +88,8 @@ def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], step
         budget: a fixed budget; None: ``reference`` x ``factor`` if given, else the default.
         env, cwd: the command's environment and folder (default: this process's).
         timeout_s: hard limit per candidate.
+        ray_address: a running Ray cluster every candidate joins (None: each starts its own).
+        progress: called with a line as each candidate starts and ends (None: silent).
 
     Returns:
         The JSON report (see :func:`verl_lrstab.admit.report_json`), with ``wall_s`` per candidate.
@@ -81,12 +106,17 @@ def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], step
     env = dict(os.environ if env is None else env)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []  # (candidate, per-step rows, findings, error, wall)
-    for cand in candidates:
-        overrides = base + cand.overrides + NO_UPDATE + [f"trainer.total_training_steps={steps}"]
+    joins = [f"++ray_kwargs.ray_init.address={ray_address}"] if ray_address else []
+    say = progress or (lambda line: None)
+    for i, cand in enumerate(candidates, 1):
+        overrides = (base + QUIET + joins + cand.launch_overrides() + NO_UPDATE
+                     + [f"trainer.total_training_steps={steps}"])
+        say(f"[{i}/{len(candidates)}] {cand.name}: {steps} steps at LR 0 ...")
         try:
             findings = check_rollout_config(compose_config(launcher, overrides, cwd))
         except Exception as exc:  # noqa: BLE001 - a bad override: this candidate fails, the others run
             results.append((cand, [], [], f"its overrides do not compose ({' '.join(cand.overrides)}): {exc}", 0.0))
+            say(f"[{i}/{len(candidates)}] {cand.name}: {results[-1][3]}")
             continue
         metrics, log = out_dir / f"{cand.name}.jsonl", out_dir / f"{cand.name}.log"
         metrics.unlink(missing_ok=True)
@@ -95,14 +125,19 @@ def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], step
         with open(log, "w") as out:
             try:
                 proc = subprocess.run(launcher + overrides + ["trainer.logger=[console,file]"], cwd=cwd,
-                                      env={**env, "VERL_FILE_LOGGER_PATH": str(metrics)}, stdout=out,
+                                      env={**env, **cand.env, "VERL_FILE_LOGGER_PATH": str(metrics)}, stdout=out,
                                       stderr=subprocess.STDOUT, timeout=timeout_s)
                 if proc.returncode != 0:
                     error = f"verl exited with status {proc.returncode} (log: {log})"
             except subprocess.TimeoutExpired:
                 error = f"no result within {timeout_s:.0f} s (log: {log})"
         records = read_metrics(metrics)
-        results.append((cand, [records[s] for s in sorted(records)], findings, error, time.monotonic() - start))
+        rows = [records[s] for s in sorted(records)]
+        results.append((cand, rows, findings, error, time.monotonic() - start))
+        k3 = " ".join(f"{v:.3g}" if isinstance(v, (int, float)) else "-"
+                      for v in (r.get("actor/mismatch/k3") for r in rows))
+        say(f"[{i}/{len(candidates)}] {cand.name}: " + (error or f"{len(rows)} steps, k3 by step {k3 or '-'}")
+            + f" ({time.monotonic() - start:.0f} s)")
     provisional = budget or Budget(1.0)
     reports = [judge(c.name, rows, provisional, findings, err) for c, rows, findings, err, _ in results]
     if budget is None:
@@ -112,6 +147,9 @@ def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], step
     for entry, (cand, _, _, _, wall) in zip(data["candidates"], results):
         entry["wall_s"] = round(wall, 1)
         entry["overrides"] = cand.overrides
+        entry["env"] = cand.env
+    figure = plot_tails(reports, out_dir / "admit.png")
+    data["figure"] = None if figure is None else str(figure)
     (out_dir / "admit.json").write_text(json.dumps(data, indent=1))
     (out_dir / "admit.md").write_text(report_table(budget, reports) + "\n")
     return data

@@ -519,12 +519,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and configurations known to bias the figures are named. Writes admit.json and "
                                    "admit.md; the last line printed is the JSON's path.")
     p.add_argument("--candidate", action="append", required=True, metavar="NAME=OVERRIDES",
-                   help="a name and its verl overrides, space-separated (repeatable; NAME= alone: the base command)")
+                   help="a name and its verl overrides, space-separated, env:VAR=VALUE for an environment variable "
+                        "(repeatable; NAME= alone: the base command)")
     p.add_argument("--steps", type=int, default=4, help="no-update steps per candidate (default 4)")
     p.add_argument("--budget", type=float, help="a fixed budget on the median k3")
     p.add_argument("--reference", help="calibrate the budget: this candidate's median k3 x --budget-factor")
     p.add_argument("--budget-factor", type=float, default=4.0, help="default 4 (as the mismatch trigger's)")
     p.add_argument("--out", default="lrstab_admit", help="report folder (default lrstab_admit)")
+    p.add_argument("--ray-address", help="a running Ray cluster every candidate joins (e.g. auto; default: each "
+                                         "candidate starts its own)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python -m verl.trainer.main_ppo ...")
     p.set_defaults(func=cmd_admit)
     return parser
@@ -542,7 +545,8 @@ def cmd_admit(args) -> int:
         candidates = [parse_candidate(c) for c in args.candidate]
         budget = Budget(args.budget, "fixed") if args.budget is not None else None
         data = run_candidates(command, candidates, args.steps, Path(args.out), budget=budget,
-                              reference=args.reference, factor=args.budget_factor)
+                              reference=args.reference, factor=args.budget_factor, ray_address=args.ray_address,
+                              progress=lambda line: print(f"lrstab admit {line}", file=sys.stderr, flush=True))
     except (ValueError, GuardError) as err:
         print(f"lrstab admit: error: {err}", file=sys.stderr)
         return 2
@@ -550,6 +554,8 @@ def cmd_admit(args) -> int:
     for c in data["candidates"]:
         for reason in c["reasons"]:
             print(f"{c['name']}: {reason}")
+    if data.get("figure"):
+        print(f"figure: {data['figure']}")
     print(Path(args.out).resolve() / "admit.json")
     return 0
 

@@ -10,6 +10,9 @@ Per response token (inside the response mask), with
 ``mismatch/seq_k3``             mean over sequences of the per-sequence sum of k3
 ``mismatch/max_abs_diff``       max ``|d|``
 ``mismatch/frac_over_thr``      fraction of tokens with ``|d| > threshold`` (default log 2)
+``mismatch/frac_over_<e>``      fraction of tokens with ``|d| > e``, e = 1e-6, 1e-5, ..., 0.1, 1:
+                                the tail of the per-token ``|d|`` distribution (a survival
+                                function, one point a decade; ``lrstab admit`` plots it)
 ``mismatch/n_tokens``           response tokens the figures cover (global)
 ``mismatch/n_nonfinite``        response tokens whose ``d`` is NaN/inf, left out of the above
 ==============================  ============================================================
@@ -45,12 +48,19 @@ DEFAULT_THRESHOLD = math.log(2.0)
 #: Layout of the stats tensor. The first ``_N_SUM`` entries are reduced with SUM, the last
 #: one (``max_abs``) with MAX. ``sum_seq_k1`` / ``sum_seq_k3`` need no entry of their own: the
 #: sum over sequences of per-sequence sums is the token sum, so seq figures are sums / n_seqs.
-STAT_FIELDS = ("sum_k1", "sum_k3", "n_tokens", "n_seqs", "n_over_threshold", "n_nonfinite", "max_abs")
-_N_SUM = 6
+#: ``|d|`` edges of the tail shares: one a decade from 1e-6 (fp32 vs fp32 rounding) to 1 (a token
+#: 2.7x likelier in one engine); the labels are the metric keys' suffixes.
+TAIL_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+TAIL_LABELS = ("1e-6", "1e-5", "1e-4", "1e-3", "1e-2", "0.1", "1")
+STAT_FIELDS = ("sum_k1", "sum_k3", "n_tokens", "n_seqs", "n_over_threshold", "n_nonfinite",
+               *(f"n_over_{label}" for label in TAIL_LABELS), "max_abs")
+_N_SUM = len(STAT_FIELDS) - 1
 
 __all__ = [
     "DEFAULT_THRESHOLD",
     "STAT_FIELDS",
+    "TAIL_EDGES",
+    "TAIL_LABELS",
     "compute_stats",
     "all_reduce_stats",
     "all_reduce_or_none",
@@ -116,7 +126,8 @@ def compute_stats(
         the collective in :func:`all_reduce_stats`.
 
     One elementwise pass: beyond the inputs it allocates two float tensors of the input size
-    (``d`` and ``|d|``, the latter reused for k3) and a few bool tensors; no float64 upcast
+    (``d`` and ``|d|``, the latter reused for k3), the int64 decade index of ``|d|`` (the tail
+    shares: one ``bucketize`` and a ``bincount``) and a few bool tensors; no float64 upcast
     (bf16/fp16 inputs are computed in float32). k3 uses ``expm1(d) - d``, accurate in float32
     for the small ``d`` (1e-4..1e-2) typical of bf16 vs fp32, where ``exp(d) - 1 - d`` cancels.
     """
@@ -144,13 +155,15 @@ def compute_stats(
     a = d.abs()
     max_abs = a.max() if a.numel() else a.new_zeros(())  # masked are 0, the identity of max(|d|)
     n_over = torch.count_nonzero(a > threshold)
+    n_over_edges = _tail_counts(a)
     sum_k1 = 0.0 - d.sum()  # not -d.sum(): equal log-probs give k1 = 0.0, not -0.0
     k3 = torch.expm1(d, out=a).sub_(d)  # reuses |d|'s buffer; exactly 0 where d == 0
     sum_k3 = k3.sum()
 
     n_seqs = _count_sequences(valid, offsets)
-    parts = (sum_k1, sum_k3, n_tokens, n_seqs, n_over, n_mask - n_tokens, max_abs)
-    return torch.stack([p.to(torch.float64) for p in parts])
+    parts = (sum_k1, sum_k3, n_tokens, n_seqs, n_over, n_mask - n_tokens)
+    return torch.cat([torch.stack([p.to(torch.float64) for p in parts]), n_over_edges.to(torch.float64),
+                      max_abs.to(torch.float64).reshape(1)])
 
 
 def all_reduce_stats(stats: Optional[torch.Tensor], group=None) -> Optional[torch.Tensor]:
@@ -169,7 +182,7 @@ def all_reduce_stats(stats: Optional[torch.Tensor], group=None) -> Optional[torc
     """
     if stats is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return stats
-    # Two collectives on views of one 7-element tensor: cheaper to reason about than packing
+    # Two collectives on views of one small tensor: cheaper to reason about than packing
     # the max into a sum (it is not expressible as one).
     torch.distributed.all_reduce(stats[:_N_SUM], op=torch.distributed.ReduceOp.SUM, group=group)
     torch.distributed.all_reduce(stats[_N_SUM:], op=torch.distributed.ReduceOp.MAX, group=group)
@@ -229,7 +242,8 @@ def finalize(stats: Optional[torch.Tensor], prefix: str = "mismatch/") -> Option
         ``{prefix + name: float}``, or None when ``stats`` is None, covers no response token,
         or holds NaN counts: nothing to log, no fake zeros. (A rank that could not measure
         makes the all-reduce give None on every rank: :func:`all_reduce_or_none`.) Keys: k1, k3,
-        seq_k1, seq_k3, max_abs_diff, frac_over_thr, n_tokens, n_nonfinite.
+        seq_k1, seq_k3, max_abs_diff, frac_over_thr, frac_over_<e> (:data:`TAIL_LABELS`), n_tokens,
+        n_nonfinite.
     """
     if stats is None:
         return None
@@ -244,6 +258,7 @@ def finalize(stats: Optional[torch.Tensor], prefix: str = "mismatch/") -> Option
         prefix + "seq_k3": s["sum_k3"] / n_seqs,
         prefix + "max_abs_diff": s["max_abs"],
         prefix + "frac_over_thr": s["n_over_threshold"] / n_tokens,
+        **{f"{prefix}frac_over_{label}": s[f"n_over_{label}"] / n_tokens for label in TAIL_LABELS},
         prefix + "n_tokens": n_tokens,
         prefix + "n_nonfinite": s["n_nonfinite"],
     }
@@ -297,6 +312,15 @@ def _as_values(old, roll, mask, offsets):
     if old.dim() not in (1, 2):
         raise ValueError(f"expected (bs, T) or flat 1-D tensors, got shape {tuple(old.shape)}")
     return old, roll, mask, offsets
+
+
+def _tail_counts(abs_d: torch.Tensor) -> torch.Tensor:
+    """Tokens with ``|d| > e`` for each e of :data:`TAIL_EDGES` (masked tokens are 0: in none)."""
+    edges = torch.tensor(TAIL_EDGES, dtype=abs_d.dtype, device=abs_d.device)
+    decade = torch.bucketize(abs_d.reshape(-1), edges)  # i: edges[i-1] < |d| <= edges[i]
+    per_decade = torch.bincount(decade, minlength=len(TAIL_EDGES) + 1)
+    # |d| > edges[k]  <=>  decade >= k + 1: the counts above each edge, largest edge last
+    return per_decade.flip(0).cumsum(0).flip(0)[1:]
 
 
 def _count_sequences(valid: torch.Tensor, offsets: Optional[torch.Tensor]) -> torch.Tensor:

@@ -113,3 +113,33 @@ def _save(fig, path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_survival(curves, title: str, xlabel: str, ylabel: str, path: str | Path) -> Path:
+    """Survival functions on log-log axes, one line per entry.
+
+    Args:
+        curves: ``(label, [(x, share), ...])`` each (shares > 0: a log axis).
+        title, xlabel, ylabel: the figure's texts.
+        path: where to save the PNG.
+
+    Returns:
+        The path written.
+    """
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in curves:
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, "o-", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -3,8 +3,9 @@
 Two candidates that differ in the sampler's precision only (float32 vs bfloat16 generation
 against the float32 trainer, the tiny model), 3 no-update steps each, and one whose override
 does not exist: the bad one is reported by name and the others still run; bf16's k3 is above
-fp32's (near zero); a budget between the two admits fp32 and rejects bf16. (The four-candidate
-vLLM demo of the issue, ``make demo-admit``, is not built yet.)
+fp32's (near zero); a budget between the two admits fp32 and rejects bf16. The fp32 candidate also
+saves verl's HF checkpoint after its last step: at LR 0 every weight must equal the model it started
+from. (The four-candidate vLLM demo, ``make demo-admit``, is ``scripts/demo_admit.py``.)
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from verl_lrstab.cpu.launch import CONFIG_DIR, cpu_env
+from verl_lrstab.mismatch import TAIL_LABELS
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +29,9 @@ def test_admit_ranks_two_samplers_and_reports_a_bad_candidate(tmp_path, assets_d
     run_dir.mkdir()
     cmd = [sys.executable, "-m", "verl_lrstab.cli", "admit", "--steps", "3", "--budget", "1e-6", "--out",
            str(run_dir / "admit"),
-           "--candidate", "fp32=actor_rollout_ref.rollout.dtype=float32",
+           "--candidate", f"fp32=actor_rollout_ref.rollout.dtype=float32 trainer.save_freq=3 "
+                          f"trainer.default_local_dir={run_dir / 'ckpt'} "
+                          "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
            "--candidate", "bf16=actor_rollout_ref.rollout.dtype=bfloat16",
            "--candidate", "typo=actor_rollout_ref.rollout.no_such_key=1",
            "--", sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(CONFIG_DIR), "--config-name",
@@ -44,3 +50,13 @@ def test_admit_ranks_two_samplers_and_reports_a_bad_candidate(tmp_path, assets_d
     # LR 0: the trainer computed gradients and applied none
     rows = [json.loads(line)["data"] for line in (run_dir / "admit" / "bf16.jsonl").read_text().splitlines()]
     assert all(r["actor/lr"] == 0.0 and r["actor/grad_norm"] > 0 for r in rows)
+    # ... and no weight moved: the checkpoint after 3 steps is the model it started from, bit for bit
+    before = load_file(assets_dir / "model" / "model.safetensors")
+    after = load_file(run_dir / "ckpt" / "global_step_3" / "actor" / "huggingface" / "model.safetensors")
+    assert set(after) <= set(before) and len(after) >= len(before) - 1  # tied lm_head may be left out
+    changed = [k for k in after if not torch.equal(after[k].to(before[k].dtype), before[k])]
+    assert not changed, changed
+    # the per-token |d| distribution: bf16's tail lies above fp32's at every decade it reaches, and is drawn
+    assert set(by["bf16"]["tail"]) == set(TAIL_LABELS)
+    assert by["bf16"]["tail"]["1e-4"] > by["fp32"]["tail"]["1e-4"]
+    assert data["figure"] and (run_dir / "admit" / "admit.png").stat().st_size > 10_000

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import pytest
 
+from verl_lrstab.mismatch import TAIL_LABELS
+
 from test_main_ppo_cpu import SURGE, TRAINER, series, surge_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 MISMATCH_KEYS = {f"actor/mismatch/{k}" for k in ("k1", "k3", "seq_k1", "seq_k3", "max_abs_diff", "frac_over_thr",
-                                                 "n_tokens", "n_nonfinite")}
+                                                 "n_tokens", "n_nonfinite", *(f"frac_over_{e}" for e in TAIL_LABELS))}
 BF16_STEPS = 8
 FP32_K3_MAX = 1e-6  # same weights, same dtype: rounding only
 # bf16 generation is not batch-invariant: the step's requests must share one batch in every run, or
