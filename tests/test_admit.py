@@ -131,3 +131,27 @@ def test_the_distribution_figure_draws_every_candidate_with_a_tail(tmp_path):
     path = plot_tails(reports, tmp_path / "admit.png")
     assert path.stat().st_size > 10_000
     assert plot_tails(reports[2:], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+def test_the_readmes_gpu_example_composes_in_verls_config():
+    """Every candidate of the README's copy-paste example is a valid verl override set (composed, not run)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from verl_lrstab.admit_runner import NO_UPDATE, QUIET, parse_candidate
+    from verl_lrstab.guard.supervisor import compose_config, split_command
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "--ray-address auto \\" in b)
+    argv = shlex.split(block.replace("\\\n", " "))
+    cut = argv.index("--")
+    launcher, base = split_command(argv[cut + 1:])
+    texts = [argv[i + 1] for i, a in enumerate(argv[:cut]) if a == "--candidate"]
+    assert len(texts) >= 3
+    for text in texts:
+        cand = parse_candidate(text)
+        cfg = compose_config(launcher, base + QUIET + ["++ray_kwargs.ray_init.address=auto"] + cand.launch_overrides()
+                             + NO_UPDATE, Path.cwd())
+        assert cfg.actor_rollout_ref.rollout.dtype == "bfloat16" and cfg.actor_rollout_ref.actor.optim.lr == 0.0
+        assert cfg.actor_rollout_ref.rollout.calculate_log_probs is True
