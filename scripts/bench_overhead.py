@@ -195,6 +195,15 @@ def bench_mismatch(ctx: Context) -> list[dict]:
                 "vs train step": f"{med / train.seconds:.3%}",
                 "per token vs train": f"{per_token_ratio:.4%}",
             })
+        if label == "realistic":  # the tail shares' part of it (one bucketize + bincount over |d|)
+            from verl_lrstab.mismatch import _tail_counts
+
+            abs_d = (old - roll).abs().masked_fill_(mask == 0, 0.0)
+            med, best = _timeit(lambda: _tail_counts(abs_d).tolist(), repeats, device)
+            rows.append({"section": "mismatch", "case": f"{label}, padded: of which the tail shares",
+                         "shape": f"{n}x{t}", "ms (median/min)": f"{med * 1e3:.2f} / {best * 1e3:.2f}",
+                         "peak extra MiB": "", "vs train step": f"{med / train.seconds:.3%}", "per token vs train": ""})
+            del abs_d
         del old, roll, mask, layouts
     return rows
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from typing import Optional, Sequence
 from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, CandidateReport, calibrated_budget, judge, plot_tails,
                                report_json, report_table)
 from verl_lrstab.config_checks import check_rollout_config
-from verl_lrstab.guard.supervisor import compose_config, split_command
+from verl_lrstab.guard.supervisor import compose_config, raise_on_signal, split_command, stop_group
 from verl_lrstab.runs import read_metrics
 
 OPTIM = "actor_rollout_ref.actor.optim"
@@ -105,6 +106,16 @@ def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], step
     cwd = Path(cwd or os.getcwd()).resolve()
     env = dict(os.environ if env is None else env)
     out_dir.mkdir(parents=True, exist_ok=True)
+    previous = signal.signal(signal.SIGTERM, raise_on_signal)  # a killed admit stops its candidate
+    try:
+        return _run_all(launcher, base, candidates, steps, out_dir, budget, reference, factor, env, cwd,
+                        timeout_s, ray_address, progress)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_all(launcher, base, candidates, steps, out_dir, budget, reference, factor, env, cwd, timeout_s,
+             ray_address, progress) -> dict:
     results = []  # (candidate, per-step rows, findings, error, wall)
     joins = [f"++ray_kwargs.ray_init.address={ray_address}"] if ray_address else []
     say = progress or (lambda line: None)
@@ -123,14 +134,19 @@ def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], step
         start = time.monotonic()
         error = None
         with open(log, "w") as out:
+            # its own session: Ctrl-C / SIGTERM stop the whole admit, and the candidate with its Ray
+            # daemons (stop_group), rather than failing this candidate and starting the next one
+            proc = subprocess.Popen(launcher + overrides + ["trainer.logger=[console,file]"], cwd=cwd,
+                                    env={**env, **cand.env, "VERL_FILE_LOGGER_PATH": str(metrics)}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                proc = subprocess.run(launcher + overrides + ["trainer.logger=[console,file]"], cwd=cwd,
-                                      env={**env, **cand.env, "VERL_FILE_LOGGER_PATH": str(metrics)}, stdout=out,
-                                      stderr=subprocess.STDOUT, timeout=timeout_s)
+                proc.wait(timeout=timeout_s)
                 if proc.returncode != 0:
                     error = f"verl exited with status {proc.returncode} (log: {log})"
             except subprocess.TimeoutExpired:
                 error = f"no result within {timeout_s:.0f} s (log: {log})"
+            finally:
+                stop_group(proc)
         records = read_metrics(metrics)
         rows = [records[s] for s in sorted(records)]
         results.append((cand, rows, findings, error, time.monotonic() - start))

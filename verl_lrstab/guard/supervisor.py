@@ -134,7 +134,7 @@ class Guard:
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> int:
         """Run to the end; returns the exit status (0 done, 3 gave up, 4 verl failed)."""
-        previous = signal.signal(signal.SIGTERM, _terminate)  # a killed guard stops verl (see _launch)
+        previous = signal.signal(signal.SIGTERM, raise_on_signal)  # a killed guard stops verl (see _launch)
         try:
             return self._run()
         finally:
@@ -216,12 +216,12 @@ class Guard:
                         seen = (len(records), max(records, default=0))
                         trouble = find_trouble(records, self._options_now(segments), self.plan.length_surge, after)
                     if trouble is not None:
-                        _stop(proc)
+                        stop_group(proc)
                         return trouble, proc.returncode
                     if finished:
                         return None, proc.returncode
             except BaseException:
-                _stop(proc)  # killing the guard stops verl too; its checkpoints stay where they are
+                stop_group(proc)  # killing the guard stops verl too; its checkpoints stay where they are
                 raise
 
     def _options_now(self, segments) -> GuardOptions:
@@ -263,11 +263,12 @@ class Guard:
         return path
 
 
-def _terminate(signum, frame):
+def raise_on_signal(signum, frame):
+    """A SIGTERM handler: unwind (``finally`` blocks stop the child) with status 128 + signum."""
     raise SystemExit(128 + signum)
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     """Stop verl and every process of its group (Ray's daemons included)."""
     if proc.poll() is None:
         try:
