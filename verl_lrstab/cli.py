@@ -209,6 +209,9 @@ def cmd_replay(args) -> int:
     changes = [f"{_fmt(result.lr_scale[0])} from step {result.steps[0]}"]
     changes += [f"{_fmt(result.lr_scale[result.steps.index(s)])} from {s}" for s in _decay_steps(result)]
     print("LR scale: " + "; ".join(changes))
+    if result.decay_period is not None and not _decay_steps(result) and config.origin == "start":
+        print(f"(origin start: the first halving is due at step {result.decay_period}, after the run's last step "
+              f"{result.steps[-1]}; --origin surge halves right after the surge)")
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
@@ -219,7 +222,12 @@ def _print_head(run, metric: str, values, result: ReplayResult, config: LengthSu
     print(f"metric: {metric} ({len(values)} values, steps {result.steps[0]}..{result.steps[-1]})")
     if config.detector == "cusum" or result.cosignals:
         print("co-signals: " + (", ".join(result.cosignals.values()) or "none (length only)"))
-    print(_surge_line(result))
+    line = _surge_line(result)
+    if (config.detector == "cusum" and result.surge_step is not None
+            and result.ratio[result.steps.index(result.surge_step)] < config.cusum_min_rise):
+        line += (f"; below cusum_min_rise {config.cusum_min_rise:g}: the early rule, half the length evidence "
+                 "with a co-signal confirming")
+    print(line)
 
 
 def _surge_line(result: ReplayResult) -> str:
@@ -444,7 +452,7 @@ def _markdown(table) -> str:
 
 # -- parser ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lrstab", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="lrstab", description=__doc__.split("\n\n")[0].replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="show the detector's log lines")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -492,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Supervise verl's own entry point: on trouble, stop it, keep the abandoned "
                                    "segment, resume from the newest checkpoint at or before the onset (verl's "
                                    "resume_mode=resume_path) with the LR halved from there and every P steps after "
-                                   "(P = period_factor x the surge step), at most --max-rollbacks times. Exit "
+                                   "(P = period_factor x the surge step, or x the onset step for a reward crash or a NaN), at most "
+                                   "--max-rollbacks times. Exit "
                                    "status: 0 finished, 3 gave up (too many rollbacks or no checkpoint), 4 verl "
                                    "failed, 2 a bad command or option.")
     p.add_argument("--run-dir", help="events, segments and the final metrics (default: next to verl's checkpoints, "
@@ -516,8 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "update: the trainer scores what the rollout sampled); its median "
                                    "actor/mismatch/k3 is judged against the budget (default 5e-4, below the public "
                                    "collapsing runs' 6e-4..1.2e-3), a k3 that grows at LR 0 is a system mismatch, "
-                                   "and configurations known to bias the figures are named. Writes admit.json and "
-                                   "admit.md; the last line printed is the JSON's path.")
+                                   "and configurations known to bias the figures are named. Writes admit.json, "
+                                   "admit.md and admit.png (each candidate's per-token |d| distribution); the last "
+                                   "line printed is the JSON's path.")
     p.add_argument("--candidate", action="append", required=True, metavar="NAME=OVERRIDES",
                    help="a name and its verl overrides, space-separated, env:VAR=VALUE for an environment variable "
                         "(repeatable; NAME= alone: the base command)")

@@ -53,7 +53,7 @@ class LengthSurgeConfig:
             (the mismatch KL exceeds its budget) or ``"either"`` (whichever fires first).
         detector (str): the length-surge test: ``"cusum"`` (default: CUSUM of noise-scaled
             log-length rises, confirmed by the score / mismatch KL / clip ratio when they are
-            fed; README "The surge detector") or ``"ratio"`` (the rule before v2: level vs a
+            fed; docs/detector.md) or ``"ratio"`` (the rule before v2: level vs a
             baseline ``horizon`` steps back; its options: ``fast_window``, ``horizon``,
             ``baseline_window``, ``ratio_threshold``, ``patience``).
         skip_first_steps (int): updates ignored by the detector (warmup, format learning).

@@ -54,7 +54,7 @@ def _changes_distribution(cfg) -> list[str]:
 
 
 def check_rollout_config(cfg) -> list[Finding]:
-    """The configuration checks of the admission check (README "Admit").
+    """The configuration checks of the admission check (docs/admit.md).
 
     Args:
         cfg: verl's whole config tree (``ppo_trainer`` as composed).

@@ -95,7 +95,7 @@ class CusumDetector:
         rebound_memory (int): how many steps back the earlier high is looked for. Default 100.
         confirm_steps (int): how long an alarm waits for the co-signals. Default 40.
         score_z (float): a score change is a fall or a rise beyond this many noise units. Default 3.5
-            (the score is tested on every step of an alarm; README "Measured" on 3 vs 3.5).
+            (the score is tested on every step of an alarm; docs/detector.md "Measured" on 3 vs 3.5).
         kl_rise (float): mismatch-KL growth that confirms an alarm. Default 1.5.
         clip_rise (float): clip-ratio increase that confirms an alarm. Default 0.25.
         runaway_rise (float): an armed alarm fires, whatever the co-signals, once the level is

@@ -182,7 +182,7 @@ class LengthSurgeSchedule:
         self._force_decay()
 
     def metrics(self, completed_updates: int) -> dict:
-        """Figures for verl's logger (keys documented in the README); no value is invented."""
+        """Figures for verl's logger (keys documented in docs/metrics.md); no value is invented."""
         out = {
             "lrstab/surge_step": -1 if self.surge_step is None else self.surge_step,
             "lrstab/trigger_step": -1 if self.trigger_step is None else self.trigger_step,

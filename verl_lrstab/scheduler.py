@@ -74,7 +74,7 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         return self.schedule.scale(self.last_epoch)
 
     def metrics(self) -> dict:
-        """The ``lrstab/*`` figures of the last step (see the README for each key)."""
+        """The ``lrstab/*`` figures of the last step (see docs/metrics.md for each key)."""
         return self.schedule.metrics(self.last_epoch)
 
     def state_dict(self) -> dict:

@@ -74,7 +74,7 @@ def test_trigger_does_not_fire_with_a_budget_above_the_mismatch(main_ppo):
 # -- issue 11: the figures are verl's own rollout_corr ones, measured before rejection sampling ------------
 # token_k3 rejection with a threshold below most bf16-vs-fp32 tokens: verl overwrites response_mask
 # before update_actor; mismatch/* (and the trigger) must still cover every response token.
-# (bf16 vs fp32 k3 averages ~3e-5 here, README "How it was tested": the tokens above it go)
+# (bf16 vs fp32 k3 averages ~3e-5 here, docs/testing.md: the tokens above it go)
 REJECTION = ["algorithm.rollout_correction.rollout_rs=token_k3", "algorithm.rollout_correction.rollout_rs_threshold=3e-5"]
 RS_STEPS = 3
 

@@ -25,7 +25,7 @@ value's batch-dependent error (~1e-16 relative) changes its float32 rounding onl
 it lies that close to a rounding boundary (odds ~1e-16/6e-8, ~2e-9 per logit), so
 log-probs and samples are bit-identical however the requests were batched (tested:
 alone, split, reordered). Its cost against the float32 forward and against sampling one
-request at a time: ``scripts/bench_generation.py`` (README, CPU backend).
+request at a time: ``scripts/bench_generation.py`` (docs/cpu_backend.md).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def feed_mismatch(scheduler: FedSchedule, figures: Optional[dict], is_async: boo
     """Hand the step's mismatch figure to the scheduler (the trigger and cusum's KL co-signal).
 
     In the async modes the rollout's log-probs come from older weights: the figures mix engine
-    mismatch with policy staleness, so they are logged but never reach the detector (README).
+    mismatch with policy staleness, so they are logged but never reach the detector (docs/integration.md).
     """
     key = f"mismatch/{scheduler.config.mismatch_metric}"
     scheduler.pending_mismatch_kl = None if (figures is None or is_async) else figures.get(key)
