@@ -94,7 +94,7 @@ demo-admit: install-vllm
 
 ## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer (vLLM's included).
 test: install install-megatron install-vllm
-	$(PY) -m pytest -m "not slow" -q -rs
+	$(PY) -m pytest -m "not slow" -q -rs --durations=25
 
 test-unit: install
 	$(PY) -m pytest -m "not e2e" -q

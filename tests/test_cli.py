@@ -422,3 +422,10 @@ def test_compare_labels_runs_by_what_tells_them_apart():
     assert _labels(["const.jsonl", "ls.jsonl"], []) == ["const", "ls"]
     assert _labels(["a/metrics.jsonl", "b/metrics.jsonl"], ["constant LR"]) == ["constant LR", "metrics"]
     assert _labels(["m.jsonl", "m.jsonl"], []) == ["m", "m#2"]  # the same file twice
+
+
+def test_compare_says_why_the_validation_columns_are_empty(tmp_path, capsys):
+    trace = Path(__file__).resolve().parents[1] / "scripts" / "traces" / "classes" / "A_s0.csv"
+    code, out, err = run_cli("compare", trace, "--out", tmp_path / "cmp", capsys=capsys)
+    assert code == 0
+    assert "A_s0: no validation metric logged" in err and "--metric val=NAME" in err

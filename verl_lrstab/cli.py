@@ -419,6 +419,10 @@ def cmd_compare(args) -> int:
     md = _markdown(table)
     (out / "summary.md").write_text(md + "\n")
     print(md)
+    no_val = table.loc[table["val_metric"].isna(), "run"].tolist()
+    if no_val:
+        print(f"lrstab: {', '.join(map(str, no_val))}: no validation metric logged, so peak_val and final_val stay "
+              "empty and no accuracy collapse is looked for (--metric val=NAME names one)", file=sys.stderr)
     print(f"summary: {out / 'summary.csv'}, {out / 'summary.md'}", file=sys.stderr)
     return 0
 

@@ -205,6 +205,10 @@ def test_backend_options_are_validated():
     Cfg.engine_kwargs = {"transformers": {"weight_nosie": 0.01}}
     with pytest.raises(ValueError, match=r"weight_nosie.*engine_kwargs\.transformers.*allowed"):
         backend_options(Cfg())
+    assert backend_options(Cfg())["weight_noise_growth"] == 1.0  # constant noise unless asked
+    Cfg.engine_kwargs = {"transformers": {"weight_noise_growth": 0}}
+    with pytest.raises(ValueError, match=r"engine_kwargs\.transformers\.weight_noise_growth must be > 0"):
+        backend_options(Cfg())
     Cfg.engine_kwargs = {"transformers": {"batch_invariant": "yes"}}
     with pytest.raises(ValueError, match=r"engine_kwargs\.transformers\.batch_invariant must be true, false or null"):
         backend_options(Cfg())

@@ -23,6 +23,9 @@ Options (``actor_rollout_ref.rollout.*``):
     samples exactly what an uninterrupted one does.
   * ``engine_kwargs.transformers.weight_noise`` (float, default 0): after each weight
     sync add ``weight_noise * std(param) * N(0, 1)`` to every generation weight.
+  * ``engine_kwargs.transformers.weight_noise_growth`` (float, default 1): the noise of the
+    k-th sync is ``weight_noise * weight_noise_growth ** (k - 1)``: a sampler that drifts away
+    from the trainer even at LR 0 (a system mismatch, for ``lrstab admit``'s drift test).
   * ``engine_kwargs.transformers.batch_wait_ms`` (default 20): how long a request
     waits for others to join its batch.
   * ``engine_kwargs.transformers.batch_invariant`` (default: true with ``dtype=float32``):
@@ -52,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 ROLLOUT_NAME = "transformers"
 _KWARGS_KEY = f"actor_rollout_ref.rollout.engine_kwargs.{ROLLOUT_NAME}"
-_KNOWN_KWARGS = {"weight_noise", "batch_wait_ms", "num_threads", "batch_invariant"}
+_KNOWN_KWARGS = {"weight_noise", "weight_noise_growth", "batch_wait_ms", "num_threads", "batch_invariant"}
 
 
 def backend_options(config) -> dict[str, Any]:
@@ -62,8 +65,8 @@ def backend_options(config) -> dict[str, Any]:
         config: verl's ``RolloutConfig`` (or a dict-like with ``engine_kwargs``).
 
     Returns:
-        ``{"weight_noise": float, "batch_wait_ms": float, "num_threads": int | None,
-        "batch_invariant": bool | None}`` (None: on for float32 generation).
+        ``{"weight_noise": float, "weight_noise_growth": float, "batch_wait_ms": float,
+        "num_threads": int | None, "batch_invariant": bool | None}`` (None: on for float32 generation).
 
     Raises:
         ValueError: unknown key or out-of-range value (the message names the key).
@@ -74,6 +77,7 @@ def backend_options(config) -> dict[str, Any]:
         raise ValueError(f"unknown keys {sorted(unknown)} under {_KWARGS_KEY}; allowed: {sorted(_KNOWN_KWARGS)}")
     opts = {
         "weight_noise": float(raw.get("weight_noise", 0.0) or 0.0),
+        "weight_noise_growth": float(raw.get("weight_noise_growth", 1.0)),
         "batch_wait_ms": float(raw.get("batch_wait_ms", 20.0)),
         "num_threads": raw.get("num_threads"),
         "batch_invariant": raw.get("batch_invariant"),
@@ -82,6 +86,8 @@ def backend_options(config) -> dict[str, Any]:
         raise ValueError(f"{_KWARGS_KEY}.batch_invariant must be true, false or null, got {opts['batch_invariant']!r}")
     if opts["weight_noise"] < 0:
         raise ValueError(f"{_KWARGS_KEY}.weight_noise must be >= 0, got {opts['weight_noise']}")
+    if not opts["weight_noise_growth"] > 0:
+        raise ValueError(f"{_KWARGS_KEY}.weight_noise_growth must be > 0, got {opts['weight_noise_growth']}")
     if opts["batch_wait_ms"] < 0:
         raise ValueError(f"{_KWARGS_KEY}.batch_wait_ms must be >= 0, got {opts['batch_wait_ms']}")
     return opts
@@ -279,7 +285,8 @@ class TransformersServer:
         """
         async with self._model_lock:
             loaded = self.generator.load_weights(named_tensors)
-            sigma = self.options["weight_noise"]
+            sigma = self.options["weight_noise"] * self.options["weight_noise_growth"] ** max(
+                self.generator.num_weight_syncs - 1, 0)
             if sigma > 0:
                 seed = request_seed(self.config.seed, "noise", self.generator.num_weight_syncs)
                 self.generator.add_weight_noise(sigma, seed)
