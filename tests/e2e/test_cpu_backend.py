@@ -202,10 +202,10 @@ def test_backend_options_are_validated():
 
     assert backend_options(Cfg())["weight_noise"] == 0.01
     assert backend_options(Cfg())["batch_invariant"] is None  # on for float32 generation
+    assert backend_options(Cfg())["weight_noise_growth"] == 1.0  # constant noise unless asked
     Cfg.engine_kwargs = {"transformers": {"weight_nosie": 0.01}}
     with pytest.raises(ValueError, match=r"weight_nosie.*engine_kwargs\.transformers.*allowed"):
         backend_options(Cfg())
-    assert backend_options(Cfg())["weight_noise_growth"] == 1.0  # constant noise unless asked
     Cfg.engine_kwargs = {"transformers": {"weight_noise_growth": 0}}
     with pytest.raises(ValueError, match=r"engine_kwargs\.transformers\.weight_noise_growth must be > 0"):
         backend_options(Cfg())
