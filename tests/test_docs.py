@@ -45,8 +45,8 @@ def github_slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def prose_lines(path: Path):
-    """(line number, line) outside fenced code blocks."""
+def _classified_lines(path: Path):
+    """(line number, line, inside a fenced code block) of every line but the fences themselves."""
     fence = None
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         m = _FENCE.match(line)
@@ -54,26 +54,26 @@ def prose_lines(path: Path):
             if m:
                 fence = m.group(1)
                 continue
-            yield number, line
+            yield number, line, False
         elif m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line.strip()[len(m.group(1)):]:
             fence = None
+        else:
+            yield number, line, True
+
+
+def prose_lines(path: Path):
+    """(line number, line) outside fenced code blocks."""
+    return ((number, line) for number, line, fenced in _classified_lines(path) if not fenced)
 
 
 def code_texts(path: Path):
     """(line number, text) of what the file shows as code: fenced blocks and inline code spans."""
-    fence = None
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        m = _FENCE.match(line)
-        if fence is None:
-            if m:
-                fence = m.group(1)
-                continue
+    for number, line, fenced in _classified_lines(path):
+        if fenced:
+            yield number, line
+        else:
             for span in _CODE_SPAN.finditer(line):
                 yield number, span.group(2)
-        elif m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line.strip()[len(m.group(1)):]:
-            fence = None
-        else:
-            yield number, line
 
 
 def anchors(path: Path) -> set[str]:
