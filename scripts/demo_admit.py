@@ -51,7 +51,8 @@ def main(argv=None) -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True)
 
-    from verl_lrstab.admit_runner import parse_candidate, run_candidates
+    from verl_lrstab.admit import by_k3
+    from verl_lrstab.admit_runner import parse_candidate, print_report, reports_of, run_candidates
     from verl_lrstab.cpu.vllm_assets import build_vllm_assets
     from verl_lrstab.cpu.vllm_rollout import CONFIG_OVERRIDE, engine_shm_cleanup, loopback_env
 
@@ -70,16 +71,11 @@ def main(argv=None) -> int:
     with engine_shm_cleanup():  # the psm_* segments vLLM's engine leaves in /dev/shm
         data = run_candidates(command, candidates, args.steps, out, env=env, cwd=out,
                               progress=lambda line: print(line, flush=True))
-    print((out / "admit.md").read_text())
-    for c in data["candidates"]:
-        for reason in c["reasons"]:
-            print(f"{c['name']}: {reason}")
-    ranked = [c["name"] for c in sorted(data["candidates"], key=lambda c: (c["k3"] is None, c["k3"] or 0.0))]
+    print_report(data, out)
+    ranked = [r.name for r in by_k3(reports_of(data))]
     walls = [c["wall_s"] for c in data["candidates"] if c.get("error") is None]
     print(f"ranked by median k3: {' < '.join(ranked)}; "
           f"{sum(walls) / max(len(walls), 1):.0f} s a candidate, total {time.monotonic() - t0:.0f} s")
-    if data.get("figure"):
-        print(f"figure: {data['figure']}")
     (out / "demo.json").write_text(json.dumps({"ranked": ranked, "total_s": round(time.monotonic() - t0, 1)}))
     print(out / "admit.json")
     failed = [c["name"] for c in data["candidates"] if c.get("error")]

@@ -144,6 +144,11 @@ def calibrated_budget(reports: Sequence[CandidateReport], reference: str, factor
     return Budget(ref.k3 * factor, "reference", reference, factor)
 
 
+def by_k3(reports: Sequence[CandidateReport]) -> list[CandidateReport]:
+    """The candidates by median k3, those without one (failed, unmeasured) last."""
+    return sorted(reports, key=lambda r: (r.k3 is None, r.k3 or 0.0))
+
+
 def report_json(budget: Budget, reports: Sequence[CandidateReport]) -> dict:
     """The JSON contract: ``{"budget": {...}, "candidates": [{"name", "k3", "verdict", ...}]}``."""
     return {"budget": asdict(budget), "candidates": [asdict(r) for r in reports]}
@@ -151,7 +156,7 @@ def report_json(budget: Budget, reports: Sequence[CandidateReport]) -> dict:
 
 def report_table(budget: Budget, reports: Sequence[CandidateReport]) -> str:
     """A markdown table, candidates by median k3 (failed ones last)."""
-    order = sorted(reports, key=lambda r: (r.k3 is None, r.k3 or 0.0))
+    order = by_k3(reports)
     lines = [f"budget: median k3 <= {budget.value:.3g} ({budget.source}"
              + (f": {budget.factor:g} x {budget.reference})" if budget.source == "reference" else ")"),
              "", "| candidate | steps | k3 median (min-max) | k1 | seq k3 | max abs diff | x budget | drift | verdict |",
@@ -180,7 +185,7 @@ def plot_tails(reports: Sequence[CandidateReport], path, title: str = "per-token
     from verl_lrstab import plots
 
     curves = []
-    for r in sorted(reports, key=lambda r: (r.k3 is None, r.k3 or 0.0)):
+    for r in by_k3(reports):
         points = [(edge, r.tail[label]) for edge, label in zip(TAIL_EDGES, TAIL_LABELS) if r.tail.get(label, 0) > 0]
         if not points:
             continue

@@ -171,6 +171,16 @@ def _run_all(launcher, base, candidates, steps, out_dir, budget, reference, fact
     return data
 
 
+def print_report(data: dict, out_dir: Path) -> None:
+    """What ``lrstab admit`` prints after the runs: the table, each candidate's reasons, the figure."""
+    print((out_dir / "admit.md").read_text())
+    for c in data["candidates"]:
+        for reason in c["reasons"]:
+            print(f"{c['name']}: {reason}")
+    if data.get("figure"):
+        print(f"figure: {data['figure']}")
+
+
 def reports_of(data: dict) -> list[CandidateReport]:
     return [CandidateReport(**{k: v for k, v in c.items() if k in CandidateReport.__dataclass_fields__})
             for c in data["candidates"]]

@@ -549,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_admit(args) -> int:
     from verl_lrstab.admit import Budget
-    from verl_lrstab.admit_runner import parse_candidate, run_candidates
+    from verl_lrstab.admit_runner import parse_candidate, print_report, run_candidates
     from verl_lrstab.guard.plan import GuardError
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -564,12 +564,7 @@ def cmd_admit(args) -> int:
     except (ValueError, GuardError) as err:
         print(f"lrstab admit: error: {err}", file=sys.stderr)
         return 2
-    print((Path(args.out) / "admit.md").read_text())
-    for c in data["candidates"]:
-        for reason in c["reasons"]:
-            print(f"{c['name']}: {reason}")
-    if data.get("figure"):
-        print(f"figure: {data['figure']}")
+    print_report(data, Path(args.out))
     print(Path(args.out).resolve() / "admit.json")
     return 0
 
