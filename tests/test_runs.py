@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 
 from verl_lrstab.runs import (
@@ -229,3 +230,29 @@ def test_bench_meets_the_issue_bar_on_two_seeds():
         assert all(o == ("quiet" if r["expect"] == "no_fire" else "hit") for r, o in zip(runs, out.values())), (form, out)
         leads = [r["crash"] - r["fired"]["cusum"] for r in runs if r["cls"] == "A"]
         assert min(leads) >= 7 and statistics.median(leads) >= 9, (form, leads)
+
+def test_reads_gzipped_jsonl_and_csv_as_the_plain_files(tmp_path, monkeypatch):
+    import gzip
+    import shutil
+
+    jsonl, _ = write_verl_run(tmp_path, monkeypatch, backends=("file",), num_steps=30)
+    plain = load_run(jsonl)
+    gz = tmp_path / "metrics.jsonl.gz"
+    with open(jsonl, "rb") as src, gzip.open(gz, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    pd.testing.assert_frame_equal(load_run(gz), plain, check_like=True)
+    # a gzipped file whose inner name says nothing is still told by its first character
+    shutil.copy(gz, tmp_path / "run.gz")
+    assert list(load_run(tmp_path / "run.gz").index) == list(plain.index)
+
+    csv_gz = tmp_path / "export.csv.gz"
+    with gzip.open(csv_gz, "wt", newline="") as f:
+        f.write("# exported\r\nStep,response_length/mean\r\n1,100\r\n2,250\r\n")
+    assert metric_series(load_run(csv_gz), "response_length/mean").to_dict() == {1: 100.0, 2: 250.0}
+
+
+def test_a_broken_gzip_file_is_a_run_error(tmp_path):
+    bad = tmp_path / "metrics.jsonl.gz"
+    bad.write_bytes(b'{"step": 1, "data": {}}\n')  # plain text under a .gz name
+    with pytest.raises(RunError, match="unreadable gzip"):
+        load_run(bad)

@@ -8,6 +8,9 @@ Three formats, detected from the path:
 - a CSV with a step column (``step``, ``Step``, ``_step`` or ``global_step``; a wandb export
   for instance). Lines starting with ``#`` are comments.
 
+A JSONL or CSV file may be gzipped (``metrics.jsonl.gz``): read as it is, the format told from
+the name without ``.gz``.
+
 The result is a :class:`pandas.DataFrame` indexed by ``step`` (int, sorted), one column per
 metric, named as logged (``response_length/mean``, ``actor/lr``, ``val-core/...``). Steps
 logged several times (verl logs validation and training metrics of a step in two calls)
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import fnmatch
+import gzip
 import io
 import json
 import math
@@ -73,7 +77,7 @@ def load_run(path: str | os.PathLike) -> pd.DataFrame:
         df = _read_tensorboard(p if p.is_dir() else p.parent)
     elif p.stat().st_size == 0:
         raise RunError(f"{p}: the file is empty")
-    elif p.suffix in (".jsonl", ".json", ".ndjson") or (p.suffix != ".csv" and _first_char(p) == "{"):
+    elif _suffix(p) in (".jsonl", ".json", ".ndjson") or (_suffix(p) != ".csv" and _first_char(p) == "{"):
         df = _read_jsonl(p)
     else:
         df = _read_csv(p)
@@ -146,9 +150,20 @@ def read_metrics(path: os.PathLike) -> dict[int, dict]:
     return out
 
 
+def _suffix(p: Path) -> str:
+    return Path(p.stem).suffix if p.suffix == ".gz" else p.suffix
+
+
+def _open_bytes(p: Path):
+    return gzip.open(p, "rb") if p.suffix == ".gz" else open(p, "rb")
+
+
 def _first_char(p: Path) -> str:
-    with open(p, "rb") as f:
-        return f.read(4096).decode("utf-8", "replace").lstrip()[:1]
+    with _open_bytes(p) as f:
+        try:
+            return f.read(4096).decode("utf-8", "replace").lstrip()[:1]
+        except (OSError, EOFError) as err:  # a truncated or not-gzip .gz
+            raise RunError(f"{p}: unreadable gzip file ({err})") from None
 
 
 def _progress(p: Path, **kw) -> tqdm:
@@ -158,9 +173,11 @@ def _progress(p: Path, **kw) -> tqdm:
 
 def _read_jsonl(p: Path) -> pd.DataFrame:
     rows: dict[int, dict] = {}
-    with open(p, "rb") as f, _progress(p, total=p.stat().st_size, unit="B", unit_scale=True) as bar:
-        for lineno, line in enumerate(f, 1):
-            bar.update(len(line))
+    # The bar counts the bytes on disk (compressed ones for a .gz).
+    with open(p, "rb") as raw, _progress(p, total=p.stat().st_size, unit="B", unit_scale=True) as bar, \
+            (gzip.open(raw, "rb") if p.suffix == ".gz" else raw) as f:
+        for lineno, line in enumerate(_lines(f, p), 1):
+            bar.update(raw.tell() - bar.n)
             if not line.strip():
                 continue
             try:
@@ -178,10 +195,18 @@ def _read_jsonl(p: Path) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def _lines(f, p: Path):
+    try:
+        yield from f
+    except (OSError, EOFError) as err:  # a .gz cut off or not gzip at all
+        raise RunError(f"{p}: unreadable gzip file ({err})") from None
+
+
 def _read_csv(p: Path) -> pd.DataFrame:
-    with open(p, encoding="utf-8", errors="replace", newline="") as f, _progress(p, unit=" lines") as bar:
+    with io.TextIOWrapper(_open_bytes(p), encoding="utf-8", errors="replace", newline="") as f, \
+            _progress(p, unit=" lines") as bar:
         lines = []
-        for line in f:
+        for line in _lines(f, p):
             bar.update(1)
             if not line.lstrip().startswith("#") and line.strip():
                 lines.append(line)

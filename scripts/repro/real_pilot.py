@@ -19,8 +19,10 @@ Usage:
     python scripts/repro/real_pilot.py [--name NAME] [--steps 150] [--lr 1e-5] [--sampler-temperature 1.0]
         [--prompts 4] [--samples 4] [--max-response-length 256] [--stop-after-s S] [overrides ...]
 
-Writes ``outputs/repro/real/<name>/`` (``metrics.jsonl``, the logs, ``run.json``, the checkpoints).
-The name defaults to ``bp_const-t<temperature>-lr<lr>-s<seed>``.
+Writes ``outputs/repro/real/<name>/`` (``metrics.jsonl``, the logs, ``run.json``, the checkpoints)
+and, after each segment, what the report reads into ``scripts/repro/real_results/<name>/``
+(``real_report.archive``: committed, since ``outputs/`` does not outlive a checkout). The name
+defaults to ``bp_const-t<temperature>-lr<lr>-s<seed>``.
 """
 
 from __future__ import annotations
@@ -185,6 +187,9 @@ def main(argv=None) -> int:
                                      sorted(result.metrics)[-1:]}},
             "last_step": max(merged, default=0)}
     (run_dir / "run.json").write_text(json.dumps(info, indent=1))
+    from repro.real_report import archive  # (real_report imports this module)
+
+    print(f"kept (commit it: the outputs are not): {archive(run_dir)}")
     print(f"{args.name}: part {part} rc={result.returncode} wall={result.wall_s:.0f}s, steps logged "
           f"{info['last_step']}/{args.steps}, checkpoints {checkpoint_steps(run_dir)[-1:]}")
     print(run_dir / "metrics.jsonl")

@@ -1,21 +1,31 @@
 #!/usr/bin/env python
 """The real-model pilots' table and figure (issue 25): what each ``real_pilot.py`` run shows.
 
-Usage: python scripts/repro/real_report.py [RUN_DIR ...] [--out outputs/repro/real/report]
+Usage: python scripts/repro/real_report.py [RUN_DIR ...] [--out outputs/repro/real/report] [--block 20] [--no-archive]
 
-Per run (default: every run under ``outputs/repro/real/``), from verl's metrics JSONL: steps
+Per run (default: every run under ``outputs/repro/real/``, and every run kept in
+``scripts/repro/real_results/`` that is not there), from verl's metrics JSONL: steps
 logged, the response length (mean of the first and last 10 steps, the highest 5-step median),
 the share at the cap, the training score and verl's validation (through the sampler), the
 mismatch k3 (median of the first and last 20 steps: does it grow with training?), the fp32
 validation of ``real_eval.py`` where it ran, the grad
-norm, and the detector's surge step. Writes ``pilots.md``, ``pilots.json`` and ``pilots.png``
+norm, and the detector's surge step. Writes ``pilots.md``, ``pilots.json``, ``blocks.md`` (block medians of the length, the share at
+the cap, the score, k3, PPO's clip fraction, the entropy and the grad norm: ``--block`` steps)
+and ``pilots.png``
 (length, score, k3 and the longest response against the step, one colour per run).
+
+A pilot's outputs (checkpoints, logs) are large and not kept; what the report needs is: each run
+read from ``outputs/`` is archived into ``scripts/repro/real_results/<run>/`` (``metrics.jsonl.gz``,
+``run.json``, ``fp32_val.json``: a few hundred KB, committed), so a later checkout still has the
+table and the figure of every pilot, and a run resumed there can be compared with the ones before.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,20 +39,53 @@ from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
 from verl_lrstab.runs import load_run  # noqa: E402
 
 OUT = REPO_ROOT / "outputs" / "repro" / "real"
+ARCHIVE = REPO_ROOT / "scripts" / "repro" / "real_results"
+KEPT = ("run.json", "fp32_val.json")  # copied beside the metrics into the archive
 LENGTH, SCORE, K3, CLIP, GN = ("response_length/mean", "critic/score/mean", "actor/mismatch/k3",
                                "actor/lrstab/clip_ratio", "actor/grad_norm")
 LONGEST = "response_length/max"
 SURGE = "actor/lrstab/surge_step"
+# The block medians of each run (``--block`` steps a block): what the notes quote.
+BLOCK_METRICS = {LENGTH: "length", CLIP: "share at cap", SCORE: "score", K3: "k3", "actor/pg_clipfrac": "PPO clipfrac",
+                 "actor/entropy": "entropy", GN: "grad norm"}
 
 
 def _col(df: pd.DataFrame, key: str) -> pd.Series:
     return df[key].dropna() if key in df else pd.Series(dtype=float)
 
 
+def metrics_file(run_dir: Path) -> Path:
+    """A run's merged metrics: ``metrics.jsonl`` (re-merged from its segments) or the archive's ``.gz``."""
+    if any(run_dir.glob("metrics.part*.jsonl")):
+        merge_segments(run_dir)
+        return run_dir / "metrics.jsonl"
+    return run_dir / "metrics.jsonl.gz"
+
+
+def archive(run_dir: Path, to: Path = ARCHIVE) -> Path:
+    """Keep what the report reads of a pilot (its merged metrics, gzipped, and its JSON files) in ``to/<run>/``."""
+    dest = to / run_dir.name
+    dest.mkdir(parents=True, exist_ok=True)
+    # mtime=0: the same metrics give the same bytes (no churn in git when nothing changed)
+    with open(metrics_file(run_dir), "rb") as src, open(dest / "metrics.jsonl.gz", "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as dst:
+        shutil.copyfileobj(src, dst)
+    for name in KEPT:
+        if (run_dir / name).exists():
+            shutil.copyfile(run_dir / name, dest / name)
+    return dest
+
+
+def pilot_runs(live: Path = OUT, kept: Path = ARCHIVE) -> list[Path]:
+    """Every pilot under ``live`` (being or been run here), then every archived one not among them."""
+    runs = sorted(d for d in live.glob("*") if any(d.glob("metrics.part*.jsonl")))
+    names = {d.name for d in runs}
+    return runs + sorted(d for d in kept.glob("*") if (d / "metrics.jsonl.gz").exists() and d.name not in names)
+
+
 def summarize(run_dir: Path) -> dict:
     """The table row of one pilot (its segments merged first: a pilot still running is read as far as it got)."""
-    merge_segments(run_dir)
-    df = load_run(run_dir / "metrics.jsonl")
+    df = load_run(metrics_file(run_dir))
     info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
     length, score, k3, clip = (_col(df, k) for k in (LENGTH, SCORE, K3, CLIP))
     val = [c for c in df.columns if c.startswith("val-core/")]
@@ -71,6 +114,24 @@ def summarize(run_dir: Path) -> dict:
     }
 
 
+def blocks(run_dir: Path, size: int = 20) -> pd.DataFrame:
+    """Medians of :data:`BLOCK_METRICS` over blocks of ``size`` steps (``1-20``, ``21-40``, ...), one row a block."""
+    df = load_run(metrics_file(run_dir))
+    cols = {k: v for k, v in BLOCK_METRICS.items() if k in df}
+    block = (df.index - 1) // size
+    out = df[list(cols)].groupby(block).median().rename(columns=cols)
+    out.index = [f"{b * size + 1}-{min((b + 1) * size, int(df.index.max()))}" for b in out.index]
+    out.index.name = "steps"
+    return out
+
+
+def markdown(df: pd.DataFrame) -> str:
+    """A small table as Markdown (pandas' ``to_markdown`` needs ``tabulate``, not installed here)."""
+    head = [df.index.name or ""] + list(df.columns)
+    rows = [[str(i)] + ["-" if pd.isna(v) else format(v, ".3g") for v in r] for i, r in zip(df.index, df.values)]
+    return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
+
+
 def _fmt(v, spec=".3g"):
     return "-" if v is None else format(v, spec)
 
@@ -95,7 +156,7 @@ def table(rows: list[dict]) -> str:
 def figure(run_dirs: list[Path], path: Path) -> Path:
     fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
     for run_dir in run_dirs:
-        df = load_run(run_dir / "metrics.jsonl")
+        df = load_run(metrics_file(run_dir))
         for ax, key in zip(axes, (LENGTH, SCORE, K3, LONGEST)):
             s = _col(df, key)
             ax.plot(s.index, s.rolling(5, min_periods=1).median() if key != LONGEST else s, label=run_dir.name, lw=1.2)
@@ -123,15 +184,29 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="*", type=Path)
     p.add_argument("--out", type=Path, default=OUT / "report")
+    p.add_argument("--block", type=int, default=20, help="steps per block of the block medians (default 20)")
+    p.add_argument("--no-archive", action="store_true",
+                   help=f"do not copy the runs' metrics into {ARCHIVE.relative_to(REPO_ROOT)}/")
     args = p.parse_args(argv)
-    runs = args.runs or sorted(d for d in OUT.glob("*") if any(d.glob("metrics.part*.jsonl")))
+    runs = args.runs or pilot_runs()
     if not runs:
-        raise SystemExit(f"no pilot runs (metrics.jsonl) under {OUT}: run scripts/repro/real_pilot.py first")
+        raise SystemExit(f"no pilot runs (metrics.part*.jsonl) under {OUT} nor in {ARCHIVE}: "
+                         "run scripts/repro/real_pilot.py first")
     rows = [summarize(d) for d in runs]
+    if not args.no_archive:
+        for d in runs:
+            if d.parent != ARCHIVE:
+                print(f"kept: {archive(d)}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pilots.md").write_text(table(rows) + "\n")
     (args.out / "pilots.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
+    with open(args.out / "blocks.md", "w") as f:
+        for d in runs:
+            text = f"{d.name}: {args.block}-step block medians\n" + markdown(blocks(d, args.block))
+            f.write(text + "\n\n")
+            print(text)
+    print(args.out / "blocks.md")
     print(figure(runs, args.out / "pilots.png"))
     return 0
 

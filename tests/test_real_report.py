@@ -1,0 +1,89 @@
+"""The real-model pilots' report (scripts/repro/real_report.py): segments merged, rows summarised, runs archived.
+
+The pilot's metrics are written with verl's own file logger (``verl.utils.tracking.Tracking``), two
+segments of one run as a resumed pilot leaves them; the archive must give the same table row and
+figure once the run's outputs are gone (a new checkout keeps only the archive).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from repro import real_report  # noqa: E402
+
+
+def log_segment(path: Path, monkeypatch, steps: range, length) -> None:
+    from verl.utils.tracking import Tracking
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    tracker = Tracking(project_name="p", experiment_name="e", default_backend=["file"])
+    for step in steps:
+        tracker.log({"response_length/mean": length(step), "critic/score/mean": step / 100,
+                     "actor/mismatch/k3": 1e-3, "actor/lrstab/clip_ratio": 0.0, "actor/grad_norm": 1.0,
+                     "actor/lrstab/surge_step": 25.0 if step >= 27 else -1.0, "response_length/max": 256.0},
+                    step=step)
+    tracker.finish()
+
+
+@pytest.fixture
+def pilot(tmp_path, monkeypatch):
+    run = tmp_path / "live" / "bp_const-t1-lr3e-05-s1"
+    run.mkdir(parents=True)
+    # segment 1 reaches step 44; the pilot resumed from its checkpoint at 30, segment 2 logs 31..40 again
+    log_segment(run / "metrics.part1.jsonl", monkeypatch, range(1, 45), lambda s: 1000.0)
+    log_segment(run / "metrics.part2.jsonl", monkeypatch, range(31, 41), lambda s: 50.0)
+    (run / "run.json").write_text(json.dumps({"lr": 3e-5, "sampler_temperature": 1.0, "steps": 150,
+                                              "max_response_length": 256}))
+    (run / "fp32_val.json").write_text(json.dumps({"0": {"accuracy": 0.17}, "20": {"accuracy": 0.4}}))
+    return run
+
+
+def test_a_resumed_segment_replaces_the_steps_it_logged_again(pilot):
+    row = real_report.summarize(pilot)
+    # segment 1's steps from 31 on (1000 tokens; 41..44 too) were replaced by segment 2's (50 tokens)
+    assert row["steps"] == 40 and row["of"] == 150 and row["lr"] == 3e-5
+    assert row["length_first10"] == 1000.0 and row["length_last10"] == 50.0
+    assert row["score_first10"] == pytest.approx(sum(range(1, 11)) / 10 / 100)
+    assert row["fp32_val"] == {0: 0.17, 20: 0.4}
+    assert row["surge_step"] == 25
+
+
+def test_the_archive_gives_the_same_row_and_figure_without_the_outputs(pilot, tmp_path):
+    live_row = real_report.summarize(pilot)
+    kept = real_report.archive(pilot, to=tmp_path / "kept")
+    assert sorted(p.name for p in kept.iterdir()) == ["fp32_val.json", "metrics.jsonl.gz", "run.json"]
+    first_bytes = (kept / "metrics.jsonl.gz").read_bytes()
+    real_report.archive(pilot, to=tmp_path / "kept")  # archiving again changes no byte (no git churn)
+    assert (kept / "metrics.jsonl.gz").read_bytes() == first_bytes
+
+    import shutil
+
+    shutil.rmtree(pilot.parent)  # a new checkout: the outputs are gone
+    assert real_report.pilot_runs(live=pilot.parent, kept=tmp_path / "kept") == [kept]
+    assert real_report.summarize(kept) == live_row
+    png = real_report.figure([kept], tmp_path / "pilots.png")
+    assert png.stat().st_size > 10_000
+
+
+def test_a_live_run_shadows_its_archived_copy(pilot, tmp_path):
+    real_report.archive(pilot, to=tmp_path / "kept")
+    other = real_report.archive(pilot, to=tmp_path / "kept").parent / "bp_const-t1.1-lr1e-05-s1"
+    other.mkdir()
+    (other / "metrics.jsonl.gz").write_bytes((tmp_path / "kept" / pilot.name / "metrics.jsonl.gz").read_bytes())
+    assert real_report.pilot_runs(live=pilot.parent, kept=tmp_path / "kept") == [pilot, other]
+
+
+def test_block_medians_cover_the_run_in_blocks_of_the_asked_size(pilot):
+    table = real_report.blocks(pilot, size=20)
+    assert list(table.index) == ["1-20", "21-40"]
+    # steps 21-30 logged 1000 tokens, 31-40 (the resumed segment) 50: the median of the block is their middle
+    assert table.loc["1-20", "length"] == 1000.0 and table.loc["21-40", "length"] == pytest.approx(525.0)
+    assert table.loc["1-20", "score"] == pytest.approx(0.105)  # steps 1..20 score step/100
+    assert "k3" in table.columns and "PPO clipfrac" not in table.columns  # not logged by this run
+    text = real_report.markdown(table)
+    assert text.splitlines()[0].startswith("| steps | length |") and "| 21-40 | 525 |" in text
