@@ -140,8 +140,10 @@ def merge_segments(run_dir: Path) -> dict[int, dict]:
 
 
 def describe_step(d: dict) -> str:
+    # The share at the cap is the plugin's (actor/lrstab/clip_ratio): verl 0.9.1's V1
+    # response_length/clip_ratio compares with the batch's longest response, never 0.
     val = next((v for k, v in d.items() if k.startswith("val-core/")), None)
-    return (f" len {d.get('response_length/mean', math.nan):5.1f} clip {d.get('response_length/clip_ratio', math.nan):.2f}"
+    return (f" len {d.get('response_length/mean', math.nan):5.1f} at cap {d.get('actor/lrstab/clip_ratio', math.nan):.2f}"
             f" score {d.get('critic/score/mean', math.nan):.3f} k3 {d.get('actor/mismatch/k3', math.nan):.2e}"
             f" ent {d.get('actor/entropy', math.nan):.3f} gn {d.get('actor/grad_norm', math.nan):.2f}"
             f" surge {int(d.get('actor/lrstab/surge_step', -1))}" + (f" VAL {val:.3f}" if val is not None else ""))
