@@ -117,6 +117,7 @@ def summarize(run_dir: Path) -> dict:
 def blocks(run_dir: Path, size: int = 20) -> pd.DataFrame:
     """Medians of :data:`BLOCK_METRICS` over blocks of ``size`` steps (``1-20``, ``21-40``, ...), one row a block."""
     df = load_run(metrics_file(run_dir))
+    df = df[df.index >= 1]  # step 0: verl's validation before training, no training metrics
     cols = {k: v for k, v in BLOCK_METRICS.items() if k in df}
     block = (df.index - 1) // size
     out = df[list(cols)].groupby(block).median().rename(columns=cols)
