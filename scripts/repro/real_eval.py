@@ -8,7 +8,8 @@ steps), and the base model as step 0, sample the first ``--n`` validation word p
 bf16 sampler's. Steps already scored are skipped. One engine per checkpoint (~20 s to start).
 
 Usage: python scripts/repro/real_eval.py RUN_DIR [--n 64] [--samples 2] [--every 10]
-Writes ``RUN_DIR/fp32_val.json``: ``{"<step>": {"accuracy", "marked", "capped", "mean_tokens", "n"}}``.
+Writes ``RUN_DIR/fp32_val.json``: ``{"<step>": {"accuracy", "marked", "capped", "mean_tokens", "n", "example"}}``
+(``example``: the first 600 characters of the checkpoint's first response, to the first problem).
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def main(argv=None) -> int:
             continue
         result = real_model.measure_accuracy(n=args.n, samples=args.samples, max_tokens=args.max_tokens, model=hf,
                                              dtype="float32", seed=1234)
-        result.pop("example", None)
+        result["example"] = result.get("example", "")[:600]  # what the checkpoint writes to problem 1 (kept short)
         done[str(step)] = result
         out_path.write_text(json.dumps(dict(sorted(done.items(), key=lambda kv: int(kv[0]))), indent=1))
         print(f"step {step:4d}: fp32 accuracy {result['accuracy']:.3f}, mean {result['mean_tokens']:.1f} tokens, "
-              f"capped {result['capped']:.3f}", flush=True)
+              f"capped {result['capped']:.3f}; problem 1: {result['example'][:200]!r}", flush=True)
     print(out_path)
     return 0
 
