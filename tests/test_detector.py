@@ -254,6 +254,36 @@ def test_cusum_the_rebound_exemption_holds_with_a_score():
         assert len(set(map(frozenset, alarms.values()))) == 1, (tr.name, alarms)
 
 
+def _collapse_then_recovery(early_level, seed):
+    """The shape of real-model pilot 4 (scripts/repro/README.md): the base model's ~45 tokens for
+    12 noisy steps, a collapse to ~23-token guesses, then from step 81 a climb back to ~35 tokens
+    while the mismatch KL doubles (from step 70) and the score stays low and noisy. With
+    ``early_level`` 23 there is no early high (and no early noise above the collapse's)."""
+    rng = random.Random(seed)
+    steps = range(1, 101)
+    level = [early_level if s <= 12 else 23.0 if s <= 80 else 35.0 for s in steps]
+    cv = [(0.3 if early_level > 23 else 0.12) if s <= 12 else 0.12 if s <= 80 else 0.2 for s in steps]
+    length = [max(5.0, lv * (1 + rng.gauss(0, c))) for lv, c in zip(level, cv)]
+    kl = [(1.5e-3 if s < 70 else 3.5e-3) * (1 + rng.gauss(0, 0.15)) for s in steps]
+    score = [max(0.0, 0.1 + rng.gauss(0, 0.08)) for _ in steps]
+    return steps, length, kl, score
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cusum_a_climb_back_after_a_length_collapse_is_a_rebound_even_on_half_evidence(seed):
+    # v3.1: the half-evidence rule (KL confirms, level 1.1x) skipped the rebound test, and
+    # pilot 4 fired at step 84 on a return from 23 to 30 tokens, below the 45 it started at
+    # (this trace fired at 82-85 with v3)
+    steps, length, kl, score = _collapse_then_recovery(45.0, seed)
+    det = CusumDetector()
+    assert [s for s, v, k, sc in zip(steps, length, kl, score) if det.update(s, v, score=sc, kl=k)] == []
+    # the control: the same climb to a level the run never had (it started at 23) is a surge
+    steps, length, kl, score = _collapse_then_recovery(23.0, seed)
+    det = CusumDetector()
+    fired = [s for s, v, k, sc in zip(steps, length, kl, score) if det.update(s, v, score=sc, kl=k)]
+    assert len(fired) == 1 and 81 <= fired[0] <= 88, fired
+
+
 def test_cusum_score_decides_between_learning_and_collapse():
     # The same length rise (1000 -> 1600 from step 60, 2 % noise): with a rising score it is held,
     # with a falling score it fires, with a flat score it waits, with no score it fires at once.

@@ -25,7 +25,8 @@ Two stages, every decision from data up to the current step only:
    ratio) must confirm; with neither score nor KL, the alarm is the surge. Half the length
    evidence (``threshold / 2``, a level half-way to ``min_rise``) is enough when the score
    already falls by 1.5 x ``score_z``, or when the KL / clip ratio confirms and the last 2
-   steps are at ``min_rise``: the early rise of a fast collapse.
+   steps are at ``min_rise``: the early rise of a fast collapse (v3.1: not while a run whose
+   length had fallen, an earlier 5-row median 1.5x the baseline or more, climbs back below it).
 3. **Runaway.** Whatever the co-signals say, an armed alarm fires once the level reaches
    ``runaway_rise`` x the alarm's baseline and the run was not that long before (not a rebound):
    the paper's surge (1000 -> 3000-4000 tokens within a few steps, METHOD.md) may come with a
@@ -66,6 +67,11 @@ KL_ROWS = 5  # the mismatch KL "now": at least 5 observations (k3 is noisy: 15 %
 FAST_STEPS = 2  # the early level of a KL- or clip-confirmed alarm: mean of the last 2 steps ...
 FAST_SLACK = 1.1  # ... which the 5-step level may trail by at most this factor (one odd batch cannot pass)
 MEDIAN_SD = 1.25  # sd of a median of a few values / sd of their mean (~sqrt(pi / 2))
+# The half-evidence rule holds back while the level is below an earlier high of at least this x
+# the baseline: a run whose length fell by a third or more and climbs back (real-model pilot 4:
+# ~45 -> ~23-token answers -> ~30 with k3 doubling) is recovering; a warm-up high of 1.2-1.3x
+# (class A's first steps) is no such fall and must not delay the early alarm of a collapse.
+RECOVERY_HIGH = 1.5
 
 
 def _window(rows, lo: int, min_rows: int = MIN_ROWS) -> list[float]:
@@ -207,10 +213,12 @@ class CusumDetector:
             self._disarm()  # the length came back down, or no co-signal confirmed it in time
         if self._armed is not None:
             fired = self._decide(step, self._armed) is not None or self._runaway(self._armed)
-        elif self._cusum >= self.threshold / 2 and self.ratio >= (1 + self.min_rise) / 2:
+        elif (self._cusum >= self.threshold / 2 and self.ratio >= (1 + self.min_rise) / 2
+              and not self._rebound(step, b, margin=1.0, high=RECOVERY_HIGH)):
             # half the length evidence (a level half-way to min_rise) is enough when a co-signal
             # already says collapse: the score falls clearly, or the mismatch KL / clip ratio has
-            # grown and the last 2 steps are at min_rise (the early rise of a fast collapse)
+            # grown and the last 2 steps are at min_rise (the early rise of a fast collapse); not
+            # while a run whose length had fallen climbs back below its earlier high (v3.1)
             why = self._decide(step, {**self._refs(step, b), "z_factor": 1.5})
             fired = why == "score" or (why in ("kl", "clip") and min(fast, self.ratio * FAST_SLACK) >= self.min_rise)
         else:
@@ -237,17 +245,19 @@ class CusumDetector:
             return []  # not enough history yet: a baseline covers at least half the span
         return rows
 
-    def _rebound(self, step: int, b: float, rows=None) -> bool:
-        """True if the run was already at least ``min_rise`` x the baseline before (a rebound).
+    def _rebound(self, step: int, b: float, rows=None, margin: Optional[float] = None,
+                 high: Optional[float] = None) -> bool:
+        """True if the run was already at least ``high`` (default ``min_rise``) x the baseline before.
 
-        ``rows`` are the earlier levels looked at: the 5-row medians by default.
+        ``rows`` are the earlier levels looked at: the 5-row medians by default. The level is a
+        rebound while below ``margin`` (default ``rebound_margin``) x the earlier high.
         """
         start = step - self.lag - self.span
         old = [v for s, v in (self._high if rows is None else rows)
                if s > step - self.rebound_memory and (s <= start or s <= self.skip_first_steps)]
-        if not old or max(old) < b + math.log(self.min_rise):
+        if not old or max(old) < b + math.log(self.min_rise if high is None else high):
             return False
-        return math.log(self.level) < max(old) + math.log(self.rebound_margin)
+        return math.log(self.level) < max(old) + math.log(self.rebound_margin if margin is None else margin)
 
     def _runaway(self, alarm: dict) -> bool:
         """The level reached ``runaway_rise`` x the alarm's baseline, a level the run did not have before."""
