@@ -89,3 +89,23 @@ def test_block_medians_cover_the_run_in_blocks_of_the_asked_size(pilot):
     assert "k3" in table.columns and "PPO clipfrac" not in table.columns  # not logged by this run
     text = real_report.markdown(table)
     assert text.splitlines()[0].startswith("| steps | length |") and "| 21-40 | 525 |" in text
+
+
+def test_real_pilot_4s_climb_back_after_its_length_collapse_is_no_surge_for_detector_v3_1():
+    """The committed log of real-model pilot 4 (verl's main_ppo, SmolLM2-135M, LR 3e-5): its length fell
+    from ~45 to ~23 tokens and climbed back to ~30-40 from step 82 while k3 doubled. Detector v3 in
+    the trainer fired at step 84; replayed on the very figures the trainer fed it, v3.1 does not."""
+    from verl_lrstab.config import LengthSurgeConfig
+    from verl_lrstab.runs import load_run, metric_series
+    from verl_lrstab.schedule import replay
+
+    df = load_run(real_report.ARCHIVE / "bp_const-t1-lr3e-05-p2-s1" / "metrics.jsonl.gz")
+    fed = {k: metric_series(df, f"actor/lrstab/{k}") for k in ("response_length", "mismatch_kl", "score", "clip_ratio",
+                                                               "surge_step", "cusum")}
+    steps = fed["response_length"].index
+    assert fed["surge_step"].loc[84] == 84 and (fed["surge_step"].loc[:83] == -1).all()  # v3, in the trainer
+    result = replay(steps.tolist(), fed["response_length"].tolist(), LengthSurgeConfig(),
+                    **{k: fed[k].reindex(steps).tolist() for k in ("mismatch_kl", "score", "clip_ratio")})
+    # the replay is the trainer's detector on the trainer's figures: the same CUSUM up to the fire
+    assert result.cusum[:83] == pytest.approx(fed["cusum"].reindex(steps).tolist()[:83], abs=1e-9)
+    assert result.surge_step is None
