@@ -74,7 +74,7 @@ def test_the_archive_gives_the_same_row_and_figure_without_the_outputs(pilot, tm
 
 def test_a_live_run_shadows_its_archived_copy(pilot, tmp_path):
     real_report.archive(pilot, to=tmp_path / "kept")
-    other = real_report.archive(pilot, to=tmp_path / "kept").parent / "bp_const-t1.1-lr1e-05-s1"
+    other = tmp_path / "kept" / "bp_const-t1.1-lr1e-05-s1"
     other.mkdir()
     (other / "metrics.jsonl.gz").write_bytes((tmp_path / "kept" / pilot.name / "metrics.jsonl.gz").read_bytes())
     assert real_report.pilot_runs(live=pilot.parent, kept=tmp_path / "kept") == [pilot, other]

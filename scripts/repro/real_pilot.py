@@ -21,16 +21,18 @@ Usage:
 
 Writes ``outputs/repro/real/<name>/`` (``metrics.jsonl``, the logs, ``run.json``, the checkpoints)
 and, after each segment, what the report reads into ``scripts/repro/real_results/<name>/``
-(``real_report.archive``: committed, since ``outputs/`` does not outlive a checkout). The name
+(:func:`archive`: committed, since ``outputs/`` does not outlive a checkout). The name
 defaults to ``bp_const-t<temperature>-lr<lr>-s<seed>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -41,6 +43,8 @@ from verl_lrstab.cpu import real_model  # noqa: E402
 from verl_lrstab.cpu.launch import REPO_ROOT, print_new_steps, read_metrics, run_main_ppo  # noqa: E402
 
 OUT = REPO_ROOT / "outputs" / "repro" / "real"
+ARCHIVE = REPO_ROOT / "scripts" / "repro" / "real_results"  # committed: outputs/ does not outlive a checkout
+KEPT = ("run.json", "fp32_val.json")  # copied beside the metrics into the archive
 LS = bypass_arms.LS
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
 _PART = re.compile(r"metrics\.part(\d+)\.jsonl$")
@@ -139,6 +143,28 @@ def merge_segments(run_dir: Path) -> dict[int, dict]:
     return merged
 
 
+def metrics_file(run_dir: Path) -> Path:
+    """A run's merged metrics: ``metrics.jsonl`` (re-merged from its segments) or the archive's ``.gz``."""
+    if any(run_dir.glob("metrics.part*.jsonl")):
+        merge_segments(run_dir)
+        return run_dir / "metrics.jsonl"
+    return run_dir / "metrics.jsonl.gz"
+
+
+def archive(run_dir: Path, to: Path = ARCHIVE) -> Path:
+    """Keep what the report reads of a pilot (its merged metrics, gzipped, and its JSON files) in ``to/<run>/``."""
+    dest = to / run_dir.name
+    dest.mkdir(parents=True, exist_ok=True)
+    # mtime=0: the same metrics give the same bytes (no churn in git when nothing changed)
+    with open(metrics_file(run_dir), "rb") as src, open(dest / "metrics.jsonl.gz", "wb") as raw, \
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as dst:
+        shutil.copyfileobj(src, dst)
+    for name in KEPT:
+        if (run_dir / name).exists():
+            shutil.copyfile(run_dir / name, dest / name)
+    return dest
+
+
 def describe_step(d: dict) -> str:
     # The share at the cap is the plugin's (actor/lrstab/clip_ratio): verl 0.9.1's V1
     # response_length/clip_ratio compares with the batch's longest response, never 0.
@@ -189,8 +215,6 @@ def main(argv=None) -> int:
                                      sorted(result.metrics)[-1:]}},
             "last_step": max(merged, default=0)}
     (run_dir / "run.json").write_text(json.dumps(info, indent=1))
-    from repro.real_report import archive  # (real_report imports this module)
-
     print(f"kept (commit it: the outputs are not): {archive(run_dir)}")
     print(f"{args.name}: part {part} rc={result.returncode} wall={result.wall_s:.0f}s, steps logged "
           f"{info['last_step']}/{args.steps}, checkpoints {checkpoint_steps(run_dir)[-1:]}")

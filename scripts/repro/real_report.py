@@ -23,24 +23,20 @@ table and the figure of every pilot, and a run resumed there can be compared wit
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
-from repro.real_pilot import merge_segments  # noqa: E402
+from repro.real_pilot import ARCHIVE, archive, metrics_file  # noqa: E402,F401  (archive: also this module's API)
 
 from verl_lrstab.cpu.launch import REPO_ROOT  # noqa: E402
 from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
 from verl_lrstab.runs import load_run  # noqa: E402
 
 OUT = REPO_ROOT / "outputs" / "repro" / "real"
-ARCHIVE = REPO_ROOT / "scripts" / "repro" / "real_results"
-KEPT = ("run.json", "fp32_val.json")  # copied beside the metrics into the archive
 LENGTH, SCORE, K3, CLIP, GN = ("response_length/mean", "critic/score/mean", "actor/mismatch/k3",
                                "actor/lrstab/clip_ratio", "actor/grad_norm")
 LONGEST = "response_length/max"
@@ -52,28 +48,6 @@ BLOCK_METRICS = {LENGTH: "length", CLIP: "share at cap", SCORE: "score", K3: "k3
 
 def _col(df: pd.DataFrame, key: str) -> pd.Series:
     return df[key].dropna() if key in df else pd.Series(dtype=float)
-
-
-def metrics_file(run_dir: Path) -> Path:
-    """A run's merged metrics: ``metrics.jsonl`` (re-merged from its segments) or the archive's ``.gz``."""
-    if any(run_dir.glob("metrics.part*.jsonl")):
-        merge_segments(run_dir)
-        return run_dir / "metrics.jsonl"
-    return run_dir / "metrics.jsonl.gz"
-
-
-def archive(run_dir: Path, to: Path = ARCHIVE) -> Path:
-    """Keep what the report reads of a pilot (its merged metrics, gzipped, and its JSON files) in ``to/<run>/``."""
-    dest = to / run_dir.name
-    dest.mkdir(parents=True, exist_ok=True)
-    # mtime=0: the same metrics give the same bytes (no churn in git when nothing changed)
-    with open(metrics_file(run_dir), "rb") as src, open(dest / "metrics.jsonl.gz", "wb") as raw, \
-            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as dst:
-        shutil.copyfileobj(src, dst)
-    for name in KEPT:
-        if (run_dir / name).exists():
-            shutil.copyfile(run_dir / name, dest / name)
-    return dest
 
 
 def pilot_runs(live: Path = OUT, kept: Path = ARCHIVE) -> list[Path]:
