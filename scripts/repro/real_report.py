@@ -30,13 +30,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
-from repro.real_pilot import ARCHIVE, archive, metrics_file  # noqa: E402,F401  (archive: also this module's API)
+from repro.real_pilot import ARCHIVE, OUT, archive, metrics_file  # noqa: E402,F401  (archive: also this module's API)
 
 from verl_lrstab.cpu.launch import REPO_ROOT  # noqa: E402
 from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
 from verl_lrstab.runs import load_run  # noqa: E402
 
-OUT = REPO_ROOT / "outputs" / "repro" / "real"
 LENGTH, SCORE, K3, CLIP, GN = ("response_length/mean", "critic/score/mean", "actor/mismatch/k3",
                                "actor/lrstab/clip_ratio", "actor/grad_norm")
 LONGEST = "response_length/max"
