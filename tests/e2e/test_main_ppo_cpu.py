@@ -25,9 +25,11 @@ from verl_lrstab.scheduler import LengthSurgeLR
 pytestmark = pytest.mark.e2e
 
 # The default detector (cusum, configs/cpu_demo.yaml's CPU windows) fired at step 14 (V0) and 15 (V1)
-# with these settings (measured); two decays fit before 20.
-N_STEPS = 20
-RESUME_AT = 16  # after the surge: the resumed run must restore a fired detector
+# with these settings on one machine and at 17 (V0) on another (measured): the CPU's float kernels
+# change the sampled trajectory. A detection up to step 20 leaves room for the checkpoint and a
+# second decay before 26.
+N_STEPS = 26
+RESUME_AT = 20  # after the surge: the resumed run must restore a fired detector
 LR0 = 5e-4
 PERIOD_FACTOR = 0.3
 SURGE = [
@@ -108,6 +110,16 @@ REPRODUCED_KEYS = ("response_length/mean", "critic/score/mean", "actor/pg_loss",
                    "rollout_corr/log_ppl_abs_diff")
 
 
+def assert_bit_identical(a: dict, b: dict) -> None:
+    """Two runs' logs: the same steps, and on each the REPRODUCED_KEYS and every actor/lrstab/* equal."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    for step in a:
+        keys = list(REPRODUCED_KEYS) + [k for k in a[step] if k.startswith("actor/lrstab/")]
+        for key in keys:
+            assert a[step][key] == b[step][key], (step, key)
+
+
+@pytest.mark.slow  # CI's form: the guard's twin (test_guard_e2e), a second run of short-v1 compared bit for bit
 def test_v1_runs_are_reproducible(main_ppo):
     """Two identical V1 runs give bit-identical samples and updates on every step.
 
@@ -117,11 +129,8 @@ def test_v1_runs_are_reproducible(main_ppo):
     """
     overrides = SURGE + TRAINER["v1"] + ["trainer.total_training_steps=5"]
     a, b = main_ppo("short-v1", overrides), main_ppo("short-v1-again", overrides)
-    assert sorted(a.metrics) == sorted(b.metrics) == [1, 2, 3, 4, 5]
-    for step in a.metrics:
-        keys = list(REPRODUCED_KEYS) + [k for k in a.metrics[step] if k.startswith("actor/lrstab/")]
-        for key in keys:
-            assert a.metrics[step][key] == b.metrics[step][key], (step, key)
+    assert sorted(a.metrics) == [1, 2, 3, 4, 5]
+    assert_bit_identical(a.metrics, b.metrics)
 
 
 # -- 2. a provoked surge: the detector fires and actor/lr follows the decay rule ------------------
