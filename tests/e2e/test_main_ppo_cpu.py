@@ -41,7 +41,15 @@ V1_SLOW = pytest.param("v1", marks=pytest.mark.slow)
 
 
 def surge_run(main_ppo, trainer: str):
+    """The provoked surge, N_STEPS in one run (``slow``: make test reads :func:`surge_log`)."""
     return main_ppo(f"surge-{trainer}", SURGE + TRAINER[trainer] + [f"trainer.total_training_steps={N_STEPS}"])
+
+
+def surge_log(main_ppo, trainer: str) -> dict[int, dict]:
+    """The provoked surge's N_STEPS as logged: the resumed pair's two segments stitched (one run fewer
+    in make test; that the pair equals the uninterrupted run is test_resume_matches_uninterrupted_run)."""
+    first, second = resumed_run(main_ppo, trainer)
+    return {**first.metrics, **second.metrics}
 
 
 def length_surge_options() -> dict:
@@ -60,18 +68,18 @@ def series(metrics: dict, key: str) -> dict[int, float]:
 @pytest.mark.parametrize("trainer", ["v0", "v1"])
 def test_scheduler_consumes_verl_response_length(main_ppo, trainer):
     if trainer == "v0":
-        run = surge_run(main_ppo, "v0")
+        metrics = surge_log(main_ppo, "v0")
     else:  # the smallest V1 form for CI; the V1 surge run is in the slow set
-        run = main_ppo("short-v1", SURGE + TRAINER["v1"] + ["trainer.total_training_steps=5"])
-    steps = sorted(run.metrics)
+        metrics = main_ppo("short-v1", SURGE + TRAINER["v1"] + ["trainer.total_training_steps=5"]).metrics
+    steps = sorted(metrics)
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5, steps
-    consumed = series(run.metrics, "actor/lrstab/response_length")
-    logged = series(run.metrics, "response_length/mean")
+    consumed = series(metrics, "actor/lrstab/response_length")
+    logged = series(metrics, "response_length/mean")
     assert set(consumed) == set(logged) == set(steps)
     for step in steps:
         assert consumed[step] == pytest.approx(logged[step], rel=1e-9, abs=1e-9), step
     # the score co-signal (detector: cusum) is verl's critic/score/mean of the same step
-    scores, verl_scores = series(run.metrics, "actor/lrstab/score"), series(run.metrics, "critic/score/mean")
+    scores, verl_scores = series(metrics, "actor/lrstab/score"), series(metrics, "critic/score/mean")
     assert set(scores) == set(verl_scores) == set(steps)
     for step in steps:
         assert scores[step] == pytest.approx(verl_scores[step], rel=1e-6, abs=1e-6), step
@@ -80,8 +88,8 @@ def test_scheduler_consumes_verl_response_length(main_ppo, trainer):
     # every step), the longest response of the batch in V1 (the same figure when that one is at the
     # cap, while ours is 0 when no response reached it and verl's is not)
     cap = OmegaConf.load(CONFIG_DIR / "cpu_demo.yaml").data.max_response_length
-    clip, verl_clip = series(run.metrics, "actor/lrstab/clip_ratio"), series(run.metrics, "response_length/clip_ratio")
-    longest = series(run.metrics, "response_length/max")
+    clip, verl_clip = series(metrics, "actor/lrstab/clip_ratio"), series(metrics, "response_length/clip_ratio")
+    longest = series(metrics, "response_length/max")
     assert set(clip) == set(steps)
     for step in steps:
         expected = verl_clip[step] if longest[step] >= cap else 0.0
@@ -97,11 +105,11 @@ def test_rollout_log_probs_are_the_trainers(main_ppo, trainer):
     A missed weight sync (the server sampling with step t-1 weights) or log-probs taken at the
     wrong temperature would show as a gap far above float rounding.
     """
-    run = surge_run(main_ppo, "v0") if trainer == "v0" else main_ppo(
+    metrics = surge_log(main_ppo, "v0") if trainer == "v0" else main_ppo(
         "short-v1", SURGE + TRAINER["v1"] + ["trainer.total_training_steps=5"]
-    )
-    gaps = series(run.metrics, "rollout_corr/log_ppl_abs_diff")
-    assert len(gaps) == len(run.metrics)
+    ).metrics
+    gaps = series(metrics, "rollout_corr/log_ppl_abs_diff")
+    assert len(gaps) == len(metrics)
     assert max(gaps.values()) < 1e-4, gaps
 
 
@@ -143,28 +151,28 @@ def expected_lr(step: int, surge: int, period: int, gamma: float = 0.5, floor: f
 
 @pytest.mark.parametrize("trainer", ["v0", V1_SLOW])
 def test_provoked_surge_decays_lr(main_ppo, trainer):
-    run = surge_run(main_ppo, trainer)
-    length = series(run.metrics, "response_length/mean")
+    metrics = surge_log(main_ppo, trainer)
+    length = series(metrics, "response_length/mean")
     steps = sorted(length)
     first, last = [length[s] for s in steps[:3]], [length[s] for s in steps[-3:]]
     assert sum(last) / 3 >= 1.5 * sum(first) / 3, f"no length surge: {length}"
 
-    surge = series(run.metrics, "actor/lrstab/surge_step")
+    surge = series(metrics, "actor/lrstab/surge_step")
     fired = [s for s in steps if surge[s] >= 0]
     assert fired, f"the detector never fired: {length}"
     s = fired[0]
     assert all(surge[t] == -1 for t in steps if t < s) and all(surge[t] == s for t in steps if t >= s)
-    period = series(run.metrics, "actor/lrstab/decay_period")[s]
+    period = series(metrics, "actor/lrstab/decay_period")[s]
     assert period == max(1, math.floor(PERIOD_FACTOR * s + 0.5))
     assert s + period <= steps[-1], "the test must see a second decay; raise N_STEPS"
 
-    lr = series(run.metrics, "actor/lr")
+    lr = series(metrics, "actor/lr")
     for t in steps:
         assert lr[t] == pytest.approx(expected_lr(t, s, period), rel=1e-9), (t, s, period)
-        assert series(run.metrics, "actor/lrstab/lr_scale")[t] == pytest.approx(lr[t] / LR0, rel=1e-9)
+        assert series(metrics, "actor/lrstab/lr_scale")[t] == pytest.approx(lr[t] / LR0, rel=1e-9)
 
     # The offline replay (`lrstab replay`) runs the same detector on the logged lengths.
-    scores = series(run.metrics, "critic/score/mean")  # cusum's co-signal, as the glue fed it
+    scores = series(metrics, "critic/score/mean")  # cusum's co-signal, as the glue fed it
     offline = replay(steps, [length[t] for t in steps], length_surge_options(), score=[scores[t] for t in steps])
     assert offline.surge_step == s
 
@@ -245,7 +253,8 @@ def test_resume_restores_the_checkpointed_schedule(main_ppo, trainer):
     assert restored.surge_step == trigger and restored.get_last_lr()[0] < LR0 / 2, "a second decay after resuming"
 
 
-@pytest.mark.parametrize("trainer", ["v0", V1_SLOW])
+@pytest.mark.slow  # one more run; make test keeps the resumed pair's own checks (above)
+@pytest.mark.parametrize("trainer", ["v0", "v1"])
 def test_resume_matches_uninterrupted_run(main_ppo, trainer):
     """Where runs are bit-reproducible (V0; V1 with ContentOrderedReplayBuffer and the batch-invariant
     rollout) the resumed run also gives the uninterrupted run's samples and LRs."""

@@ -10,7 +10,7 @@ import pytest
 
 from verl_lrstab.mismatch import TAIL_LABELS
 
-from test_main_ppo_cpu import SURGE, TRAINER, series, surge_run
+from test_main_ppo_cpu import SURGE, TRAINER, series, surge_log
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -36,8 +36,8 @@ def bf16_run(main_ppo, budget: float):
 
 
 def test_mismatch_logged_every_step_and_near_zero_in_same_precision(main_ppo):
-    run = surge_run(main_ppo, "v0")  # float32 generation and training (configs/cpu_demo.yaml)
-    for step, data in run.metrics.items():
+    # float32 generation and training (configs/cpu_demo.yaml)
+    for step, data in surge_log(main_ppo, "v0").items():
         assert MISMATCH_KEYS <= set(data), (step, MISMATCH_KEYS - set(data))
         assert data["actor/mismatch/n_tokens"] > 0 and data["actor/mismatch/n_nonfinite"] == 0
         assert 0.0 <= data["actor/mismatch/k3"] <= FP32_K3_MAX, (step, data["actor/mismatch/k3"])
@@ -46,7 +46,7 @@ def test_mismatch_logged_every_step_and_near_zero_in_same_precision(main_ppo):
 
 
 def test_bf16_generation_gives_a_clear_mismatch_and_the_trigger_fires(main_ppo):
-    fp32 = series(surge_run(main_ppo, "v0").metrics, "actor/mismatch/k3")
+    fp32 = series(surge_log(main_ppo, "v0"), "actor/mismatch/k3")
     run = bf16_run(main_ppo, budget=1e-7)
     k3 = series(run.metrics, "actor/mismatch/k3")
     assert sorted(k3) == list(range(1, BF16_STEPS + 1))
