@@ -259,8 +259,7 @@ def test_resume_matches_uninterrupted_run(main_ppo, trainer):
     """Where runs are bit-reproducible (V0; V1 with ContentOrderedReplayBuffer and the batch-invariant
     rollout) the resumed run also gives the uninterrupted run's samples and LRs."""
     full = surge_run(main_ppo, trainer)
-    first, second = resumed_run(main_ppo, trainer)
-    stitched = {**first.metrics, **second.metrics}
+    stitched = surge_log(main_ppo, trainer)
     for step in range(1, N_STEPS + 1):
         want, got = full.metrics[step], stitched[step]
         keys = [k for k in want if k.startswith("actor/lrstab/")] + list(RESUMED_KEYS)
