@@ -415,7 +415,7 @@ def test_replay_reads_the_clip_ratio_the_trainer_consumed():
 
 
 def test_compare_labels_runs_by_what_tells_them_apart():
-    from verl_lrstab.cli import _labels
+    from verl_lrstab.cli.compare import _labels
 
     assert _labels(["runs/a/metrics.jsonl", "runs/b/metrics.jsonl"], []) == ["a/metrics", "b/metrics"]
     assert _labels(["x/s1/metrics.jsonl", "y/s1/metrics.jsonl"], []) == ["x/s1/metrics", "y/s1/metrics"]

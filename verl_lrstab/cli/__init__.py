@@ -1,0 +1,54 @@
+"""``lrstab``: what the length-surge scheduler would do (or did) on logged runs.
+
+    lrstab replay RUN [--metric response_length/mean] [scheduler options] [--plot out.png] [--json]
+    lrstab calibrate RUN [scheduler options]
+    lrstab compare RUN [RUN ...] [--out DIR]
+    lrstab guard [options] -- python -m verl.trainer.main_ppo [verl overrides]
+    lrstab admit --candidate NAME=OVERRIDES [...] -- python -m verl.trainer.main_ppo [verl overrides]
+
+RUN is verl's file-logger JSONL, a TensorBoard log directory or a CSV with a step column
+(:mod:`verl_lrstab.runs`). The detector and the schedule are
+:func:`verl_lrstab.schedule.replay`, the code the trainer runs. Exit status: 0 done,
+1 unreadable run / missing metric / invalid option value, 2 usage error, 3 ``calibrate``
+found no surge. A module a subcommand; the shared options and metric names are in
+:mod:`verl_lrstab.cli.common`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from verl_lrstab.cli import admit, calibrate, compare, guard, replay
+from verl_lrstab.cli.common import EXIT_ERROR
+from verl_lrstab.cli.compare import score_crash
+from verl_lrstab.cli.replay import cosignal_names
+from verl_lrstab.runs import RunError
+
+__all__ = ["build_parser", "cosignal_names", "main", "score_crash"]
+SUBCOMMANDS = (replay, calibrate, compare, guard, admit)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lrstab", description=__doc__.split("\n\n")[0].replace("``", ""),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the detector's log lines")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in SUBCOMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lrstab`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("verl_lrstab").setLevel(logging.INFO if args.verbose else logging.ERROR)
+    try:
+        return args.func(args)
+    except (RunError, OSError) as err:
+        print(f"lrstab: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130

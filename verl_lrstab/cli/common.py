@@ -1,0 +1,113 @@
+"""What every ``lrstab`` subcommand shares: the metric names, the scheduler options (generated from
+:class:`~verl_lrstab.config.LengthSurgeConfig`) and the exit statuses."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import fields
+
+import yaml
+
+from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.runs import MissingMetricError, RunError, find_metric
+from verl_lrstab.schedule import ReplayResult
+
+# Metric names as verl (and the peers whose exports people compare against) log them.
+LENGTH_METRICS = ("response_length/mean", "response_length", "completions/mean_length", "completions_mean_length")
+KL_METRICS = ("mismatch/k3", "actor/mismatch/k3", "mismatch/k1", "actor/mismatch/k1", "rollout_corr/k3_kl",
+              "rollout_corr/kl")
+# Co-signals of detector: cusum in a run logged without length_surge (TRL and wandb exports too).
+SCORE_METRICS = ("critic/score/mean", "critic/rewards/mean", "reward", "train/reward")
+CLIP_METRICS = ("response_length/clip_ratio", "completions/clipped_ratio", "completions_clipped_ratio")
+RUN_HELP = "verl file-logger JSONL, TensorBoard log directory, or CSV with a step column"
+METRIC_HELP = f"the response-length metric (default: first of {list(LENGTH_METRICS)})"
+EXIT_ERROR, EXIT_NO_SURGE = 1, 3
+
+
+# -- scheduler options, generated from LengthSurgeConfig ------------------------------------------
+def _field_docs() -> dict[str, tuple[str, str]]:
+    """``name -> (type, text)`` from the ``Args:`` section of LengthSurgeConfig's docstring."""
+    docs, name = {}, None
+    for line in (LengthSurgeConfig.__doc__ or "").splitlines():
+        m = re.match(r"\s+(\w+) \(([^)]*)\): (.*)", line)
+        if m:
+            name = m.group(1)
+            docs[name] = (m.group(2), m.group(3).strip())
+        elif name and line.strip():
+            docs[name] = (docs[name][0], docs[name][1] + " " + line.strip())
+    return docs
+
+
+def _option_value(text: str):
+    # YAML scalars, as in a verl config: 1.8, 198, null, start. LengthSurgeConfig checks types.
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):  # YAML 1.1 reads 3e-4 as text; a verl config would say 3.0e-4
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "scheduler options", "as under actor_rollout_ref.actor.optim.length_surge; unset ones keep their defaults")
+    docs = _field_docs()
+    for f in fields(LengthSurgeConfig):
+        typ, text = docs.get(f.name, ("", ""))
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_option_value,
+                           default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper() or "VALUE",
+                           help=text.replace("``", "").replace("%", "%%"))
+    group.add_argument("--warmup-steps", type=_option_value, default=0, metavar="INT",
+                       help="verl's optim.lr_warmup_steps. Default 0.")
+    group.add_argument("--score-metric", metavar="NAME",
+                       help="co-signal of detector cusum: the score/reward metric, or none (default: what a "
+                            f"length_surge run consumed, actor/lrstab/score, else the first of {list(SCORE_METRICS)})")
+    group.add_argument("--clip-metric", metavar="NAME",
+                       help="co-signal of detector cusum: the clip-ratio metric, or none (default: "
+                            f"actor/lrstab/clip_ratio, else the first of {list(CLIP_METRICS)})")
+
+
+def scheduler_config(args: argparse.Namespace) -> LengthSurgeConfig:
+    """The LengthSurgeConfig the options name; a bad value is a RunError naming the option."""
+    options = {f.name: getattr(args, f.name) for f in fields(LengthSurgeConfig) if hasattr(args, f.name)}
+    warmup = args.warmup_steps
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise RunError(f"--warmup-steps={warmup!r} is invalid: allowed values are an integer >= 0")
+    try:
+        return LengthSurgeConfig.from_dict(options)
+    except (ValueError, TypeError) as err:
+        raise RunError(re.sub(r"actor_rollout_ref\.actor\.optim\.length_surge\.(\w+)",
+                              lambda m: "--" + m.group(1).replace("_", "-"), str(err))) from None
+
+
+# -- small helpers --------------------------------------------------------------------------------
+def length_metric(df, name: str | None) -> str:
+    """``name``, else the first of LENGTH_METRICS the run logs."""
+    if name:
+        return name
+    found = find_metric(df, LENGTH_METRICS)
+    if found is None:
+        raise MissingMetricError(LENGTH_METRICS, df.columns, df.attrs.get("source", "run"))
+    return found
+
+
+def plots_module():
+    try:
+        from verl_lrstab import plots
+    except ImportError as err:  # matplotlib is an extra: verl does not bring it
+        raise RunError(f"figures need matplotlib ({err}): pip install 'verl-lrstab[plot]'") from None
+    return plots
+
+
+def decay_steps(result: ReplayResult) -> list[int]:
+    """The steps at which the replayed LR scale drops."""
+    return [s for s, a, b in zip(result.steps[1:], result.lr_scale, result.lr_scale[1:]) if b < a]
+
+
+def fmt(x: float) -> str:
+    return f"{x:.4g}"
