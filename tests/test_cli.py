@@ -48,7 +48,8 @@ def paper_schedule(step: int) -> float:
 @pytest.mark.skipif(LRSTAB is None, reason="the lrstab console script is not installed (pip install -e .)")
 def test_paper_example_through_the_installed_console_script(verl_run):
     jsonl, _ = verl_run
-    proc = subprocess.run([LRSTAB, "replay", str(jsonl), "--json"], capture_output=True, text=True, check=False,
+    proc = subprocess.run([LRSTAB, "replay", str(jsonl), "--json", "--origin", "start"], capture_output=True,
+                          text=True, check=False,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)  # exactly one JSON object on stdout
@@ -83,17 +84,19 @@ def test_replay_reads_every_format_alike(verl_run, tmp_path, capsys, kind):
 
 def test_replay_human_output_and_plot(verl_run, tmp_path, capsys):
     png = tmp_path / "replay.png"
-    code, out, _ = run_cli("replay", verl_run[0], "--plot", png, capsys=capsys)
+    code, out, _ = run_cli("replay", verl_run[0], "--plot", png, "--origin", "start", capsys=capsys)
     assert code == 0
     assert "surge: step 110" in out and "decay period: 198" in out
     assert "0.5 from 198; 0.25 from 396; 0.125 from 594; 0.1 from 792" in out
+    code, out, _ = run_cli("replay", verl_run[0], capsys=capsys)  # the default: halve right after the surge
+    assert "0.5 from 111; 0.25 from 309; 0.125 from 507; 0.1 from 705" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_replay_says_when_the_first_halving_falls_after_the_run_and_which_rule_fired(capsys):
     # class A seed 0: the surge is seen at 131 on KL-confirmed half evidence, the run ends at 164
     trace = Path(__file__).resolve().parents[1] / "scripts" / "traces" / "classes" / "A_s0.csv"
-    code, out, _ = run_cli("replay", trace, capsys=capsys)
+    code, out, _ = run_cli("replay", trace, "--origin", "start", capsys=capsys)
     assert code == 0
     surge = next(line for line in out.splitlines() if line.startswith("surge: step"))
     level = float(surge.split("level = ")[1].split(" x")[0])
@@ -101,8 +104,9 @@ def test_replay_says_when_the_first_halving_falls_after_the_run_and_which_rule_f
     assert "LR scale: 1 from step 1\n" in out
     period = int(next(line for line in out.splitlines() if line.startswith("decay period:")).split()[2])
     assert f"the first halving is due at step {period}, after the run's last step 164" in out
-    code, out, _ = run_cli("replay", trace, "--origin", "surge", capsys=capsys)
-    assert "first halving is due" not in out and "0.5 from" in out
+    code, out, _ = run_cli("replay", trace, capsys=capsys)  # the default (origin surge) cuts at once
+    step = int(surge.split("surge: step ")[1].split()[0].rstrip(","))
+    assert "first halving is due" not in out and f"0.5 from {step + 1}" in out
 
 
 def test_scheduler_options_come_from_the_config_fields(verl_run, capsys):

@@ -100,11 +100,14 @@ def test_config_passes_verl_checks(arm, overrides):
         # verl's own instantiation of the optim node hands the scheduler a valid config.
         assert isinstance(actor.optim.length_surge, LengthSurgeConfig)
         assert actor.optim.length_surge.decay_period == (198 if arm == "paper_length_surge_fixed" else None)
-        # The options the YAML shows are the defaults (the comments say so).
+        # The paper's online arms count the halvings from the start (as published); the others act at the surge.
+        paper_online = arm in ("paper_length_surge", "paper_length_surge_tis", "megatron_length_surge")
+        assert actor.optim.length_surge.origin == ("start" if paper_online else "surge")
+        # The other options the YAML shows are the defaults (the comments say so).
         shown = OmegaConf.to_container(cfg.actor_rollout_ref.actor.optim.length_surge)
         defaults = LengthSurgeConfig().to_dict()
-        assert {k: v for k, v in shown.items() if k != "decay_period"} == \
-            {k: defaults[k] for k in shown if k != "decay_period"}
+        assert {k: v for k, v in shown.items() if k not in ("decay_period", "origin")} == \
+            {k: defaults[k] for k in shown if k not in ("decay_period", "origin")}
 
 
 def test_verl_rejects_a_broken_arm():

@@ -91,7 +91,7 @@ def test_matches_megatron_constant_schedule_until_the_decay():
 
 
 def test_surge_then_closed_form_decay_on_every_group():
-    opt, sched, _ = make(FAST)
+    opt, sched, _ = make({**FAST, "origin": "start"})  # the paper's form (the default halves at the surge)
     trace = drive(sched, opt, SURGE)
     assert sched.surge_step == 7 and sched.decay_period == 13  # round(1.8 * 7)
     # trace[u - 1] is set after update u: the LR of update u + 1 (verl logs it as actor/lr).

@@ -55,14 +55,28 @@ def surge_series(onset=100, before=1000.0, after=3500.0, n=700):
     return [before] * onset + [after] * (n - onset)
 
 
-def test_replay_reports_surge_period_and_scale_in_force():
-    res = replay(range(1, 701), surge_series())
+def test_replay_reports_surge_period_and_scale_in_force_paper_form():
+    res = replay(range(1, 701), surge_series(), {"origin": "start"})
     assert res.surge_step is not None and 100 < res.surge_step < 110
     assert res.decay_period == decay_period_from_surge(res.surge_step, 1.8)
     p = res.decay_period
     by_step = dict(zip(res.steps, res.lr_scale))
     assert by_step[p - 1] == 1.0 and by_step[p] == 0.5 and by_step[2 * p] == 0.25
     assert by_step[3 * p - 1] == 0.25 and by_step[3 * p] == 0.125 and by_step[700] == 0.125
+
+
+def test_the_default_halves_right_after_the_detection_then_every_period():
+    """Issue 37: left unset, the first cut is in force at the detection step + 1 (not at P = 1.8 x t_surge)."""
+    res = replay(range(1, 301), surge_series(n=300))
+    by_step = dict(zip(res.steps, res.lr_scale))
+    t, p = res.surge_step, res.decay_period
+    assert t is not None and 100 < t < 110 and p == decay_period_from_surge(t, 1.8)
+    assert all(by_step[s] == 1.0 for s in range(1, t + 1))
+    assert by_step[t + 1] == 0.5  # the first cut: before a crash at ~1.1 x t_surge
+    assert by_step[t + p] == 0.5 and by_step[t + p + 1] == 0.25
+    # the paper's form on the same series: nothing until P, long after t + 1
+    paper = dict(zip(res.steps, replay(range(1, 301), surge_series(n=300), {"origin": "start"}).lr_scale))
+    assert paper[t + 1] == 1.0 and paper[p - 1] == 1.0 and paper[p] == 0.5
 
 
 def test_replay_origin_surge():

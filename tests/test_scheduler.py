@@ -28,8 +28,18 @@ def drive(sched, opt, values):
     return lrs
 
 
-def test_lr_follows_the_decay_after_a_surge():
+def test_default_lr_is_cut_at_the_update_after_the_detection():
     opt, sched = make()
+    lrs = drive(sched, opt, lengths())
+    t, p = sched.surge_step, sched.decay_period
+    assert t is not None and p == round(1.8 * t)
+    # lrs[u - 1] is logged after update u (the LR of update u + 1): update t + 1 runs at half the LR.
+    assert lrs[t - 2] == pytest.approx(1e-6) and lrs[t - 1] == pytest.approx(5e-7)
+    assert lrs[t + p - 2] == pytest.approx(5e-7) and lrs[t + p - 1] == pytest.approx(2.5e-7)
+
+
+def test_lr_follows_the_paper_decay_after_a_surge():
+    opt, sched = make(config={"origin": "start"})
     lrs = drive(sched, opt, lengths())
     t, p = sched.surge_step, sched.decay_period
     assert t is not None and p == round(1.8 * t)
@@ -91,3 +101,31 @@ def test_nan_lengths_do_not_crash_or_decay():
     opt, sched = make()
     lrs = drive(sched, opt, [math.nan, None, 0.0] * 50)
     assert set(lrs) == {1e-6} and sched.surge_step is None
+
+
+def test_resume_from_a_checkpoint_of_the_old_default_keeps_its_origin(caplog):
+    """Issue 37: a checkpoint written when origin's default was 'start' keeps that rule on resume
+    (no silent change of a running schedule) unless origin is set explicitly; a WARNING names both."""
+    values = lengths(n=300)
+    opt, old = make(config={"origin": "start"})  # what a checkpoint of the old default holds
+    k = 80  # the checkpoint's update
+    drive(old, opt, values[:k])
+    t, p = old.surge_step, old.decay_period
+    assert t is not None and t < k < p  # the surge is seen, the paper's first halving still to come
+    state = old.state_dict()
+
+    opt2, resumed = make(config={})  # the user's YAML names no origin: the new default
+    with caplog.at_level(logging.WARNING, logger="verl_lrstab"):
+        resumed.load_state_dict(state)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "'start'" in said and "'surge'" in said and "origin" in said
+    assert resumed.config.origin == "start"
+    after = drive(resumed, opt2, values[k:])  # after[i] is logged after update k + i + 1
+    # the paper's rule: 1.0 until update P, 0.5 from P (logged after update P - 1)
+    assert after[0] == pytest.approx(1e-6)
+    assert after[p - k - 3] == pytest.approx(1e-6) and after[p - k - 2] == pytest.approx(5e-7)
+
+    opt3, explicit = make(config={"origin": "surge"})  # set explicitly: the user's choice applies
+    explicit.load_state_dict(state)
+    assert explicit.config.origin == "surge"
+    assert drive(explicit, opt3, values[k:k + 1]) == [pytest.approx(5e-7)]  # already past t: halved at once

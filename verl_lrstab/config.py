@@ -1,15 +1,17 @@
 """Options of the ``length_surge`` scheduler (pure: no verl, no torch).
 
 In a verl config they live under ``actor_rollout_ref.actor.optim.length_surge``;
-left unset, they reproduce arXiv 2602.01826 (period factor 1.8, halving, floor
-0.1 x the initial LR, halvings counted from the start of training).
+left unset, they follow arXiv 2602.01826 (period factor 1.8, halving, floor 0.1 x the initial
+LR) with one change: the first halving comes right after the detected surge (``origin: surge``),
+since real fast collapses crash ~1.1 x t_surge, long before the paper's first halving at
+1.8 x t_surge. ``origin: start`` is the paper as published.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 SCHEDULER_NAME = "length_surge"
 ORIGINS = ("start", "surge")
@@ -35,11 +37,14 @@ class LengthSurgeConfig:
         period_factor (float): ``P = round(period_factor * t_surge)``. Default 1.8 (the paper).
         gamma (float): multiplicative decay per period, in (0, 1). Default 0.5 (halving).
         min_lr_ratio (float): the floor, as a fraction of the initial LR, in (0, 1]. Default 0.1.
-        origin (str): where the halvings are counted from. ``"start"`` (default, the paper as
-            read by public write-ups): ``n(t) = t // P``, so the first decay comes at ``P``,
-            well after the surge. ``"surge"``: the first decay applies to the first update
-            after the surge is seen, then one more every ``P`` updates; for runs where the
-            collapse follows the surge within a few steps.
+        origin (str): where the halvings are counted from. ``"surge"`` (default): the first
+            decay applies to the first update after the surge is seen (detection step + 1), then
+            one more every ``P`` updates; in time for runs whose collapse follows the surge
+            within a few steps (real bf16 GRPO collapses: ~1.1 x t_surge). ``"start"`` (the paper
+            as read by public write-ups): ``n(t) = t // P``, so the first decay comes at
+            ``P = 1.8 x t_surge``, in time only for a collapse near the paper's ~2.7 x t_surge.
+            A checkpoint written with another origin keeps its own on resume unless ``origin``
+            is set explicitly (a running schedule never changes silently).
         decay_period (int | None): fixed period for the paper's two-run workflow. When set,
             the decay follows it from the start (``origin`` is ignored) and the detector only
             reports. Default None (the period comes from the detected surge).
@@ -108,10 +113,13 @@ class LengthSurgeConfig:
             For the constant-LR baseline arms of a comparison. Default False.
     """
 
+    # The keys the user set (from_dict); None: built in code, every value chosen. Not an option.
+    given_keys: ClassVar[Optional[frozenset]] = None
+
     period_factor: float = 1.8
     gamma: float = 0.5
     min_lr_ratio: float = 0.1
-    origin: str = "start"
+    origin: str = "surge"
     decay_period: Optional[int] = None
     decay_from_step: Optional[int] = None
     guard_rollbacks: int = 0
@@ -207,7 +215,7 @@ class LengthSurgeConfig:
     def from_dict(cls, options: Optional[Mapping[str, Any]]) -> "LengthSurgeConfig":
         """Build from a mapping (a YAML node); unknown keys raise ``ValueError`` listing the known ones."""
         if options is None:
-            return cls()
+            return cls()._with_given(())
         if isinstance(options, cls):
             return options
         if not isinstance(options, Mapping):
@@ -216,10 +224,18 @@ class LengthSurgeConfig:
         unknown = sorted(k for k in options if k not in known and not str(k).startswith("_"))
         if unknown:
             raise ValueError(f"unknown key(s) {[f'{_KEY_PREFIX}.{k}' for k in unknown]}; allowed keys: {known}")
-        return cls(**{k: v for k, v in options.items() if k in known})
+        return cls(**{k: v for k, v in options.items() if k in known})._with_given(k for k in options if k in known)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def is_given(self, key: str) -> bool:
+        """Whether ``key`` was set by the user (True for a config built in code)."""
+        return self.given_keys is None or key in self.given_keys
+
+    def _with_given(self, keys) -> "LengthSurgeConfig":
+        object.__setattr__(self, "given_keys", frozenset(keys))  # instance attribute: survives pickling
+        return self
 
     def detector_kwargs(self) -> dict:
         """The arguments of the chosen detector (:class:`verl_lrstab.cusum.CusumDetector` or

@@ -14,6 +14,7 @@ The torch scheduler that wraps this lives in :mod:`verl_lrstab.scheduler`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import logging
 import math
@@ -277,6 +278,13 @@ class FedSchedule:
                            "length_surge state): the surge detector starts afresh from there", step)
             return
         saved = own.get("options")
+        if saved and saved.get("origin", "start") != self.config.origin and not self.config.is_given("origin"):
+            # the default changed (start -> surge): a running schedule keeps the rule it was started with
+            logger.warning("verl_lrstab: the checkpoint at update %s was written with origin %r; this run's "
+                           "default is origin %r. Keeping the checkpoint's origin %r so the running LR schedule "
+                           "does not change; set %s.origin explicitly to switch", step, saved.get("origin", "start"),
+                           self.config.origin, saved.get("origin", "start"), _OPTIONS_KEY)
+            self.schedule.config = _with_origin(self.config, saved.get("origin", "start"))
         configured = self.config.to_dict()
         changed = {k: (saved[k], v) for k, v in configured.items() if k in saved and saved[k] != v} if saved else {}
         if changed:  # (an option added after the checkpoint was written is not a change)
@@ -296,6 +304,14 @@ class FedSchedule:
     @property
     def decay_period(self) -> Optional[int]:
         return self.schedule.decay_period
+
+
+_OPTIONS_KEY = "actor_rollout_ref.actor.optim.length_surge"
+
+
+def _with_origin(config: LengthSurgeConfig, origin: str) -> LengthSurgeConfig:
+    kept = dataclasses.replace(config, origin=origin)
+    return kept._with_given(config.given_keys or ()) if config.given_keys is not None else kept
 
 
 # -- offline replay: the same code over a logged run ------------------------------------------
