@@ -46,10 +46,12 @@ import yaml  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from verl_lrstab.config import LengthSurgeConfig  # noqa: E402
-from verl_lrstab.runs import load_run, metric_series  # noqa: E402
-from verl_lrstab.schedule import replay  # noqa: E402
+from verl_lrstab.runs import load_run, metric_series, replay_with_cosignals  # noqa: E402
+from verl_lrstab.schedule import decay_period_from_surge, num_decays, replay  # noqa: E402
 
 SEEDS = range(40)
+HEALTHY = "CDEFHLMN"  # the classes that must never fire
+SURGES = "ABIJK"  # the classes with a crash a detection must come before
 # Real traces: (class, onset, crash, length column, score column, clip column), from their # lines:
 # onset = the first logged step at >= 1.5x the first logged value; crash = the collapse step.
 REAL = {
@@ -62,10 +64,12 @@ REAL = {
 OPTIONS: dict = {}  # --set KEY=VALUE: options of the cusum rules (LengthSurgeConfig keys)
 
 
-def _cusum(run, cosignals=("k3", "score", "clip")):
+def _cusum(run, cosignals=("k3", "score", "clip", "verl")):
     kw = dict(mismatch_kl=run.get("k3"), score=run.get("score"), clip_ratio=run.get("clip"))
     kw = {k: v for k, v in kw.items() if {"mismatch_kl": "k3", "clip_ratio": "clip"}.get(k, k) in cosignals}
-    return replay(run["steps"], run["length"], LengthSurgeConfig(**OPTIONS), **kw).surge_step
+    co = run.get("co") if "verl" in cosignals else None  # v4: entropy, grad norm, KL loss, PPO clip fraction
+    return replay_with_cosignals(run["steps"], run["length"], LengthSurgeConfig(**OPTIONS), cosignals=co,
+                                 **kw).surge_step
 
 
 def _ratio(run):
@@ -100,24 +104,27 @@ def _three_x(run):
     return next((s for s, v in zip(run["steps"], run["length"]) if s > 50 and v > 3 * base), None)
 
 
-RULES: dict[str, Callable] = {"cusum": _cusum, "cusum, no KL": lambda r: _cusum(r, ("score", "clip")),
+RULES: dict[str, Callable] = {"cusum": _cusum, "cusum, no KL": lambda r: _cusum(r, ("score", "clip", "verl")),
                               "cusum, length only": lambda r: _cusum(r, ()), "ratio": _ratio,
                               "z-score": _zscore, "trailing ratio": _trailing, "3x-first-50": _three_x}
 
 
 # -- runs -----------------------------------------------------------------------------------------
 def phenomena_runs(seeds=SEEDS, every: int = 1, classes=phenomena.CLASSES, score: str = "dense",
-                   score_every: int = 10) -> list[dict]:
+                   score_every: int = 10, cosignals: str = "dense", cosignals_every: int = 4) -> list[dict]:
     """The class runs as dicts; ``every``: every column logged every N steps; ``score``: a
-    :func:`phenomena.sparse_score` form of the score column (``score_every``: its period)."""
+    :func:`phenomena.sparse_score` form of the score column (``score_every``: its period);
+    ``cosignals``: the same for verl's co-signals of classes I-N (``co``: ``{name: column}``)."""
     runs = []
     for tr in phenomena.traces(seeds=seeds, classes=classes):
         keep = [i for i, s in enumerate(tr.steps) if (s - 1) % every == 0]
         pick = lambda col: [float(col[i]) for i in keep]  # noqa: E731
+        co = {name.removeprefix("actor/"): pick(phenomena.sparse_score(col, cosignals, cosignals_every))
+              for name, col in tr.cosignals.items()}
         runs.append({"name": tr.name, "cls": tr.cls, "expect": tr.expect, "onset": tr.onset, "crash": tr.crash,
                      "rise_end": tr.rise_end, "excursion": tr.excursion, "steps": [tr.steps[i] for i in keep],
                      "length": pick(tr.length), "score": pick(phenomena.sparse_score(tr.score, score, score_every)),
-                     "k3": pick(tr.k3), "clip": pick(tr.clip)})
+                     "k3": pick(tr.k3), "clip": pick(tr.clip), "co": co})
     return runs
 
 
@@ -128,6 +135,8 @@ FORMS = {
     "score every 10 steps": {"score": "every", "score_every": 10},
     "score every 10, forward-filled": {"score": "filled", "score_every": 10},
     "no score": {"score": "none"},
+    "co-signals every 4 steps": {"cosignals": "every"},
+    "co-signals every 4, forward-filled": {"cosignals": "filled"},
     "logged every 5 steps": {"every": 5},
     "logged every 10 steps": {"every": 10},
 }
@@ -174,7 +183,7 @@ def outcome(run: dict, fired: int | None) -> str:
         return "miss" if run["expect"] == "fire" else "-"
     if fired < run["onset"]:
         return "early"
-    if run["cls"] == "A":
+    if run["cls"] in "AIJK":
         return "hit" if fired < run["crash"] else "late"
     if run["cls"] == "B":
         return "hit" if fired <= run["rise_end"] else "late"
@@ -208,13 +217,18 @@ def summary(groups: dict[str, list[dict]]) -> str:
 
     for key, runs in groups.items():
         by = {c: [r for r in runs if r["cls"] == c] for c in phenomena.CLASSES}
+        if not any(by.values()):
+            continue
         tag = "" if key == "dense" else f" ({key})"
         row(f"A detected before the crash{tag} (of {len(by['A'])})", lambda n: str(hits(by["A"], n)))
         row(f"A lead, median / min (steps before accuracy < 0.5){tag}", lambda n: leads(by["A"], n))
         row(f"B detected during the rise{tag} (of {len(by['B'])})", lambda n: str(hits(by["B"], n)))
         row(f"B lead, median / min{tag}", lambda n: leads(by["B"], n))
         row(f"G detected (excursion or surge){tag} (of {len(by['G'])})", lambda n: str(hits(by["G"], n)))
-        for c in "CDEFH":
+        for c in phenomena.NEW_CLASSES[:3]:
+            row(f"{c} detected before the crash{tag} (of {len(by[c])})", lambda n, c=c: str(hits(by[c], n)))
+            row(f"{c} lead, median / min{tag}", lambda n, c=c: leads(by[c], n))
+        for c in HEALTHY:
             row(f"false alarms on {c}{tag} (of {len(by[c])})",
                 lambda n, c=c: str(sum(r["fired"][n] is not None for r in by[c])))
     return "\n".join(lines)
@@ -244,9 +258,67 @@ def summary_forms(groups: dict[str, list[dict]], rule: str = "cusum") -> str:
     row("B: detected during the rise", lambda runs: hit(runs, "B"))
     row("B: lead, median / min", lambda runs: lead(runs, "B"))
     row("G: detected", lambda runs: hit(runs, "G"))
-    for c in "CDEFH":
+    for c in phenomena.NEW_CLASSES[:3]:
+        row(f"{c}: detected before the crash", lambda runs, c=c: hit(runs, c))
+        row(f"{c}: lead, median / min", lambda runs, c=c: lead(runs, c))
+    for c in HEALTHY:
         row(f"{c}: false alarms", lambda runs, c=c: f"{sum(r['fired'][rule] is not None for r in of(runs, c))} / "
                                                    f"{len(of(runs, c))}")
+    return "\n".join(lines)
+
+
+def summary_references(groups: dict[str, list[dict]]) -> str:
+    """Per class and log form, ``cusum`` against the rolling z-score and the trailing ratio, side by side.
+
+    Cells: detected before the crash (of the class's runs), the median lead, and the median over
+    the runs where both fired of (``cusum``'s step - the reference's step): <= 0 is at or before it.
+    """
+    refs = ("z-score", "trailing ratio")
+    lines = ["| class | form | detected: `cusum` / z-score / trailing | median lead: `cusum` / z-score / trailing "
+             "| median step vs z-score | median step vs trailing |", "|---|---|---|---|---|---|"]
+
+    def med(vals):
+        return f"{statistics.median(vals):+g}" if vals else "-"
+
+    for c in SURGES:
+        for key, runs in groups.items():
+            sel = [r for r in runs if r["cls"] == c]
+            if not sel:
+                continue
+            hits, leads, vs = [], [], []
+            for n in ("cusum", *refs):
+                ok = [r for r in sel if outcome(r, r["fired"][n]) == "hit"]
+                hits.append(str(len(ok)))
+                vals = [_lead(r, n) for r in ok]
+                leads.append(f"{statistics.median(vals):g}" if vals else "-")
+            for n in refs:
+                vs.append(med([r["fired"]["cusum"] - r["fired"][n] for r in sel
+                               if r["fired"]["cusum"] is not None and r["fired"][n] is not None]))
+            lines.append(f"| {c} | {key} | {' / '.join(hits)} of {len(sel)} | {' / '.join(leads)} | {vs[0]} | {vs[1]} |")
+    return "\n".join(lines)
+
+
+def first_cut(trigger: int, origin: str, config: LengthSurgeConfig) -> int:
+    """The first update whose LR is cut after a detection at ``trigger``, with ``origin``
+    (:func:`verl_lrstab.schedule.num_decays` and :func:`~verl_lrstab.schedule.decay_period_from_surge`)."""
+    period = config.decay_period or decay_period_from_surge(trigger, config.period_factor)
+    return next(u for u in range(1, trigger + 2 * period + 2) if num_decays(u, period, origin, trigger) >= 1)
+
+
+def summary_origins(runs: list[dict]) -> str:
+    """Issue 37: per class, does the first LR cut of the default ``cusum`` land before the crash, per ``origin``?"""
+    cfg = LengthSurgeConfig(**OPTIONS)
+    lines = ["| class | detected | first cut before the crash, `origin: start` | `origin: surge` | "
+             "median first cut - crash, start / surge |", "|---|---|---|---|---|"]
+    for c in "ABGIJK":
+        sel = [r for r in runs if r["cls"] == c and r.get("crash") and r["fired"]["cusum"] is not None]
+        cells, gaps = [], []
+        for origin in ("start", "surge"):
+            cuts = [(first_cut(r["fired"]["cusum"], origin, cfg), r["crash"]) for r in sel]
+            cells.append(f"{sum(cut < crash for cut, crash in cuts)} / {len(sel)}")
+            gaps.append(f"{statistics.median(cut - crash for cut, crash in cuts):+g}" if cuts else "-")
+        n = sum(r["cls"] == c for r in runs)
+        lines.append(f"| {c} | {len(sel)} of {n} | {cells[0]} | {cells[1]} | {gaps[0]} / {gaps[1]} |")
     return "\n".join(lines)
 
 
@@ -316,9 +388,11 @@ def main() -> None:
     synthetic, real = synthetic_runs(), real_runs(args.real)
     score_all(synthetic + real, "34 traces + real")
     forms = summary_forms(groups)
+    versus = summary_references(groups)
+    origins = summary_origins(groups["dense"])
     head = summary(groups)
     tail = summary_synthetic(synthetic, real)
-    print(forms + "\n\n" + head + "\n\n" + tail)
+    print(forms + "\n\n" + versus + "\n\n" + origins + "\n\n" + head + "\n\n" + tail)
     if args.out:
         cfg = LengthSurgeConfig().detector_kwargs()
         args.out.write_text(
@@ -326,6 +400,11 @@ def main() -> None:
             + f"\n\nGenerated by `python scripts/bench_detector.py` ({args.seeds} seeds per class). "
             f"`cusum` defaults: {', '.join(f'{k}={v}' for k, v in cfg.items())}.\n\n"
             "## `cusum` in every log form\n\n" + forms
+            + "\n\n## Against the references, per class and form\n\n" + summary_references.__doc__.split("\n\n")[1]
+            .strip().replace("\n    ", " ") + "\n\n" + versus
+            + "\n\n## The first LR cut and the crash, per `origin` (issue 37)\n\nDense logs, the default `cusum`; the "
+            "first cut is the first update whose LR is decayed (`schedule.num_decays`), the period "
+            "`decay_period_from_surge` of the detection step.\n\n" + origins
             + "\n\n## Every rule, classes A-H and the 34 traces\n\n" + head + "\n\n" + tail
             + "\n\n## Every run (dense logs)\n\nCells: detection step; **miss** / **late** / **early** / "
             "**false alarm** in bold.\n\n" + per_run_table(groups["dense"])

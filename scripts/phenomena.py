@@ -46,7 +46,12 @@ import numpy as np
 
 LENGTH, SCORE, K3, CLIP = ("response_length/mean", "critic/score/mean", "actor/mismatch/k3",
                            "response_length/clip_ratio")
-CLASSES = "ABCDEFGH"
+# The figures verl logs on every step that detector v4 reads (issue 33): classes I-N carry them.
+ENTROPY, GRAD_NORM, KL_LOSS, PG_CLIPFRAC = "actor/entropy", "actor/grad_norm", "actor/kl_loss", "actor/pg_clipfrac"
+COSIGNALS = (ENTROPY, GRAD_NORM, KL_LOSS, PG_CLIPFRAC)
+CLASSES = "ABCDEFGHIJKLMN"
+#: v4's classes: the three real shapes of issue 33 (I, J, K) and their healthy twins (L, M, N)
+NEW_CLASSES = "IJKLMN"
 SEEDS = range(8)
 OUT = Path(__file__).resolve().parent / "traces" / "classes"
 
@@ -66,14 +71,16 @@ class Trace:
     rise_end: int | None = None  # B: the step the cap is reached
     excursion: tuple[int, int] | None = None  # G: first and last step of the 10x excursion
     meta: dict = field(default_factory=dict)
+    cosignals: dict = field(default_factory=dict)  # classes I-N: {ENTROPY: array, ...} (COSIGNALS)
 
     @property
     def steps(self) -> list[int]:
         return list(range(1, len(self.length) + 1))
 
     def columns(self) -> dict[str, list]:
-        return {LENGTH: self.length.tolist(), SCORE: self.score.tolist(), K3: self.k3.tolist(),
+        cols = {LENGTH: self.length.tolist(), SCORE: self.score.tolist(), K3: self.k3.tolist(),
                 CLIP: self.clip.tolist()}
+        return {**cols, **{k: v.tolist() for k, v in self.cosignals.items()}}
 
 
 # -- building blocks ------------------------------------------------------------------------------
@@ -269,6 +276,143 @@ def class_h(rng, name) -> Trace:
                  _noisy_k3(rng, np.full(n, 5e-4)), _clip_ratio(rng, level, cap))
 
 
+# -- v4's classes (issue 33): the three real shapes, their healthy twins, with verl's co-signals ----
+def _lognoise(rng, curve, sd):
+    """``curve`` times log-normal noise of ``sd`` (grad norms, KLs and clip fractions are positive)."""
+    return np.array([float(f"{v:.4g}") for v in curve * np.exp(sd * rng.standard_normal(len(curve)))])
+
+
+def _cosignals(rng, t, entropy=None, grad=None, kl=None, clipfrac=None) -> dict:
+    """verl's per-step figures around their base levels; each argument a factor curve over ``t`` (None: flat)."""
+    flat = np.ones(len(t))
+    e0, g0, k0, c0 = rng.uniform(0.3, 0.6), rng.uniform(0.15, 0.4), rng.uniform(1e-3, 4e-3), rng.uniform(2e-3, 6e-3)
+    return {ENTROPY: _lognoise(rng, e0 * (flat if entropy is None else entropy), 0.03),
+            GRAD_NORM: _lognoise(rng, g0 * (flat if grad is None else grad), 0.15),
+            KL_LOSS: _lognoise(rng, k0 * (1 + 0.3 * t / len(t)) * (flat if kl is None else kl), 0.08),
+            PG_CLIPFRAC: _lognoise(rng, c0 * (flat if clipfrac is None else clipfrac), 0.15)}
+
+
+def _new_trace(rng, name, cls, expect, doc, level, cv, cap, acc, cosignals, **kw) -> Trace:
+    n, onset = len(level), kw.get("onset")
+    after = (acc < 0.5) & (np.arange(1, n + 1) >= (onset or 1))  # the crash: the first step from the onset below 0.5
+    crash = int(np.argmax(after)) + 1 if expect == "fire" and after.any() else None
+    return Trace(name, cls, expect, doc, _noisy_length(rng, level, cv, cap), _noisy_score(rng, acc, 256),
+                 np.full(n, np.nan), _clip_ratio(rng, level, cap), crash=crash, cosignals=cosignals, **kw)
+
+
+def class_i(rng, name) -> Trace:
+    """Healthy drift ~1.6x over 60 steps with a stable score, then a 1.3-2x surge within ~9 steps
+    whose clip share, grad norm, KL and entropy turn up from its first steps; the accuracy crashes
+    4-9 steps after the onset (the bf16 Qwen3-1.7B GRPO runs of issue 33)."""
+    plateau, cv = rng.uniform(250, 450), rng.uniform(0.04, 0.07)
+    d0 = int(rng.integers(15, 31))
+    onset = d0 + 60 + int(rng.integers(0, 11))
+    surge, rise = rng.uniform(1.3, 2.0), int(rng.integers(6, 10))
+    crash_in = int(rng.integers(4, 10))
+    n = onset + crash_in + 15
+    t = np.arange(1, n + 1)
+    drift = _interp_log(t, [(d0, 1.0), (d0 + 60, rng.uniform(1.5, 1.7))])
+    level = plateau * drift * _interp_log(t, [(onset, 1.0), (onset + rise, surge)])
+    cap = plateau * drift[onset - 1] * rng.uniform(1.6, 2.2)  # the clip share: ~0.1 before the surge, x2.5 in it
+    acc0 = rng.uniform(0.55, 0.7)
+    acc = np.interp(t, [1, 20, onset + crash_in - 3, onset + crash_in, onset + crash_in + 6],
+                    [acc0 - 0.1, acc0, acc0, 0.45, 0.1])
+    up = lambda factor: _interp_log(t, [(onset, 1.0), (onset + rise, factor)])  # noqa: E731
+    co = _cosignals(rng, t, entropy=up(rng.uniform(1.2, 1.4)), grad=up(rng.uniform(3, 5)), kl=up(rng.uniform(4, 8)),
+                    clipfrac=up(rng.uniform(2, 3)))
+    return _new_trace(rng, name, "I", "fire", f"I: plateau {plateau:.0f}, noise {cv:.0%}, drift from {d0}, surge "
+                      f"{surge:.2f}x over {rise} steps from {onset}, crash at +{crash_in}", level, cv, cap, acc, co,
+                      onset=onset)
+
+
+def class_j(rng, name) -> Trace:
+    """A flat length whose entropy and grad norm turn up ~4 steps before a 4x explosion to the cap,
+    the score falling to zero with it."""
+    plateau, cv = rng.uniform(250, 600), rng.uniform(0.04, 0.08)
+    onset, lead, rise = int(rng.integers(50, 121)), int(rng.integers(3, 6)), int(rng.integers(3, 6))
+    n = onset + 30
+    t = np.arange(1, n + 1)
+    cap = plateau * rng.uniform(3.8, 4.5)
+    level = plateau * _interp_log(t, [(onset, 1.0), (onset + rise, 4.2)])
+    acc0 = rng.uniform(0.55, 0.75)
+    acc = np.interp(t, [1, 20, onset + 1, onset + rise + 1, n], [acc0 - 0.1, acc0, acc0, 0.02, 0.0])
+    early = lambda factor: _interp_log(t, [(onset - lead, 1.0), (onset, factor), (onset + rise, factor * 1.2)])  # noqa: E731
+    late = lambda factor: _interp_log(t, [(onset, 1.0), (onset + rise, factor)])  # noqa: E731
+    co = _cosignals(rng, t, entropy=early(rng.uniform(1.25, 1.5)), grad=early(rng.uniform(3, 5)),
+                    kl=late(rng.uniform(4, 8)), clipfrac=late(rng.uniform(2, 3)))
+    return _new_trace(rng, name, "J", "fire", f"J: flat {plateau:.0f}, noise {cv:.0%}, entropy and grad norm up "
+                      f"from {onset - lead}, 4x to the cap {cap:.0f} over {rise} steps from {onset}", level, cv, cap,
+                      acc, co, onset=onset)
+
+
+def class_k(rng, name) -> Trace:
+    """An early high (3-6x the later level) and recovery, a long short phase, then a return to about
+    that high with the score collapsing to zero in the same steps (v2 fired, v3 and v3.1 did not)."""
+    low, cv, high = rng.uniform(120, 250), rng.uniform(0.05, 0.08), rng.uniform(3, 6)
+    fall_at, onset, rise = int(rng.integers(10, 21)), int(rng.integers(55, 91)), int(rng.integers(2, 5))
+    back = high * rng.uniform(0.8, 1.1)
+    n = onset + 40
+    t = np.arange(1, n + 1)
+    level = low * _interp_log(t, [(1, high), (fall_at, high), (fall_at + 8, 1.0), (onset, 1.0), (onset + rise, back)])
+    cap = low * high * rng.uniform(1.5, 2.0)
+    acc0 = rng.uniform(0.5, 0.7)
+    acc = np.interp(t, [1, fall_at + 8, onset + 1, onset + rise + 1, n], [0.2, acc0, acc0, 0.02, 0.0])
+    late = lambda factor: _interp_log(t, [(onset, 1.0), (onset + rise, factor)])  # noqa: E731
+    co = _cosignals(rng, t, entropy=late(rng.uniform(1.1, 1.3)), grad=late(rng.uniform(1.5, 3)))
+    return _new_trace(rng, name, "K", "fire", f"K: {high:.1f}x early high until {fall_at}, {low:.0f} tokens, back to "
+                      f"{back:.1f}x over {rise} steps from {onset} with the score to zero", level, cv, cap, acc, co,
+                      onset=onset)
+
+
+def class_l(rng, name) -> Trace:
+    """Healthy twin: the length grows 1.5-1.9x within 25-45 steps (the length alone alarms) with the
+    entropy rising and the score rising."""
+    plateau, cv = rng.uniform(250, 700), rng.uniform(0.04, 0.08)
+    start, dur, growth = int(rng.integers(30, 81)), int(rng.integers(25, 46)), rng.uniform(1.5, 1.9)
+    n = start + dur + 100
+    t = np.arange(1, n + 1)
+    x = np.clip((t - start) / dur, 0, 1)
+    level = plateau * growth ** x
+    cap = plateau * growth * rng.uniform(3, 4.5)
+    a0, a1 = rng.uniform(0.2, 0.4), rng.uniform(0.6, 0.8)
+    co = _cosignals(rng, t, entropy=rng.uniform(1.2, 1.4) ** x)
+    return _new_trace(rng, name, "L", "no_fire", f"L: {plateau:.0f} -> x{growth:.2f} over steps {start}-{start + dur}, "
+                      f"entropy and accuracy ({a0:.2f} -> {a1:.2f}) rising", level, cv, cap, a0 + (a1 - a0) * x, co)
+
+
+def _long_healthy(rng, n):
+    plateau, cv = rng.uniform(300, 800), rng.uniform(0.05, 0.08)
+    t = np.arange(1, n + 1)
+    excursions = _excursions(rng, (3, 7), (40, n - 20), 60, (5, 16), (1.3, 1.8))
+    level = _with_excursions(plateau * rng.uniform(1.1, 1.5) ** (t / n), t, excursions)
+    return t, plateau, cv, excursions, level, plateau * rng.uniform(3, 5), 0.3 + 0.3 * t / n
+
+
+def class_m(rng, name) -> Trace:
+    """Healthy twin: grad-norm spikes (3-10x for 1-3 steps) that revert, several at the start of a
+    length excursion of 1.3-1.8x (itself reverting within 5-15 steps)."""
+    t, plateau, cv, excursions, level, cap, acc = _long_healthy(rng, int(rng.integers(300, 601)))
+    grad = np.ones(len(t))
+    spikes = [at + int(rng.integers(0, 3)) for at, _, _ in excursions] + list(rng.integers(20, len(t), 4))
+    for at in spikes:
+        grad[at - 1:at - 1 + int(rng.integers(1, 4))] *= rng.uniform(3, 10)
+    co = _cosignals(rng, t, grad=grad)
+    exc = ", ".join(f"{amp:.2f}x at {at}" for at, _, amp in sorted(excursions))
+    return _new_trace(rng, name, "M", "no_fire", f"M: {len(t)} steps, {plateau:.0f} tokens, excursions {exc}, grad-norm "
+                      f"spikes at {sorted(int(s) for s in spikes)}", level, cv, cap, acc, co)
+
+
+def class_n(rng, name) -> Trace:
+    """Healthy twin: the KL loss to the reference rises slowly (3-8x over the run) while the length
+    makes excursions of 1.3-1.8x that revert."""
+    t, plateau, cv, excursions, level, cap, acc = _long_healthy(rng, int(rng.integers(300, 601)))
+    factor = rng.uniform(3, 8)
+    co = _cosignals(rng, t, kl=factor ** (t / len(t)))
+    exc = ", ".join(f"{amp:.2f}x at {at}" for at, _, amp in sorted(excursions))
+    return _new_trace(rng, name, "N", "no_fire", f"N: {len(t)} steps, {plateau:.0f} tokens, KL loss x{factor:.1f} over "
+                      f"the run, excursions {exc}", level, cv, cap, acc, co)
+
+
 SCORE_FORMS = ("dense", "every", "filled", "none")
 
 
@@ -307,7 +451,8 @@ def traces(seeds=SEEDS, classes=CLASSES) -> list[Trace]:
                 name = f"{cls}{'_' + v if v else ''}_s{seed}"
                 rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
                 make = {"A": class_a, "B": class_b, "C": class_c, "D": class_d, "E": class_e, "G": class_g,
-                        "H": class_h}
+                        "H": class_h, "I": class_i, "J": class_j, "K": class_k, "L": class_l, "M": class_m,
+                        "N": class_n}
                 out.append(class_f(rng, name, v) if cls == "F" else make[cls](rng, name))
     return out
 

@@ -187,7 +187,7 @@ def expected_outcome(tr, fired):
     return e0 <= f <= e1 + 10 or tr.onset <= f < tr.crash
 
 
-@pytest.mark.parametrize("cls", phenomena.CLASSES)
+@pytest.mark.parametrize("cls", "ABCDEFGH")
 def test_cusum_decides_each_class_alike_whatever_the_score_form(cls):
     # dense, on every 4th / 5th / 10th row only, forward-filled, or absent: the same verdict
     for tr in phenomena.traces(seeds=range(3), classes=cls):

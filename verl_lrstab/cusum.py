@@ -46,6 +46,7 @@ co-signal went missing). Score noise: 1.2533 x the mean absolute deviation over 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from statistics import median
@@ -72,12 +73,32 @@ MEDIAN_SD = 1.25  # sd of a median of a few values / sd of their mean (~sqrt(pi 
 # ~45 -> ~23-token answers -> ~30 with k3 doubling) is recovering; a warm-up high of 1.2-1.3x
 # (class A's first steps) is no such fall and must not delay the early alarm of a collapse.
 RECOVERY_HIGH = 1.5
+# v4 (issue 33): the figures verl logs on every step, each optional. A co-signal has risen when its
+# median over the last COSIGNAL_NOW_STEPS steps (at least its last observation) is this multiple of
+# its median over the alarm's baseline window. The clip share is not among them: it is the length
+# seen at the cap (a healthy excursion raises it as much), no independent evidence.
+COSIGNAL_RISE = {"entropy": 1.1, "grad_norm": 1.6, "kl_loss": 1.6, "pg_clipfrac": 1.6}
+COSIGNALS = tuple(COSIGNAL_RISE)
+COSIGNAL_NOW_STEPS = 3  # median of 3: one odd batch (a grad-norm spike) cannot move it
+COSIGNAL_VOTES = 2  # this many risen co-signals confirm a surge; one alone (a grad-norm spike) never does
+# A rebound whose score collapses is no rebound (v4): the score's latest observation at most this
+# share of its pre-alarm level, and COLLAPSE_Z x score_z noise units below it.
+COLLAPSE_SHARE = 0.6
+COLLAPSE_Z = 1.5
 
 
 def _window(rows, lo: int, min_rows: int = MIN_ROWS) -> list[float]:
     """Values of ``rows`` (sorted [step, value]) after step ``lo``, widened back to ``min_rows`` rows."""
     inside = [v for s, v in rows if s > lo]
     return inside if len(inside) >= min_rows else [v for _, v in rows[-min_rows:]]
+
+
+def _add(rows: list, step: int, v: Optional[float]) -> None:
+    # A co-signal is a list of observations: a missing value adds none, and a repeat of the last
+    # value is no new observation either, so a log that forward-fills a sparse figure decides
+    # exactly as the sparse log does (what changes is how stale the figure is).
+    if v is not None and not (rows and rows[-1][1] == v):
+        rows.append([step, v])
 
 
 def _mad_scale(values: list[float], center: float) -> float:
@@ -139,6 +160,8 @@ class CusumDetector:
         self._score: list[list] = []
         self._kl: list[list] = []
         self._clip: list[list] = []
+        self._co: dict[str, list] = {name: [] for name in COSIGNALS}  # v4: verl's per-step figures
+        self._watch: Optional[dict] = None  # v4: a rebound alarm, fired only by a score collapse
         self._cusum = 0.0
         self._armed: Optional[dict] = None
         self.surge_steps: list[int] = []
@@ -146,6 +169,7 @@ class CusumDetector:
         self.last_step: Optional[int] = None
         self.level = self.baseline = self.ratio = self.noise = _NAN
         self.score_z_now = self.kl_ratio = self.clip_delta = _NAN
+        self.cosignals_up = 0  # v4: how many of COSIGNALS have risen (at the last decision)
 
     @property
     def surge_step(self) -> Optional[int]:
@@ -160,17 +184,30 @@ class CusumDetector:
         return None if self._armed is None else self._armed["step"]
 
     # -- the update ----------------------------------------------------------------------------
+    def observe(self, step: int, **cosignals: Optional[float]) -> None:
+        """Add observations of step ``step`` of the figures in :data:`COSIGNALS` (``entropy``,
+        ``grad_norm``, ``kl_loss``, ``pg_clipfrac``; None or NaN: not logged).
+
+        They are read from the next step on (a decision at step t reads those of steps < t), so
+        the trainer, which has an update's figures only after its LR step, and a replay of its
+        log, which has them on the row of that step, decide alike whichever comes first.
+        """
+        for name, value in cosignals.items():
+            if name not in self._co:
+                raise ValueError(f"unknown co-signal {name!r}: allowed values are {list(COSIGNALS)}")
+            _add(self._co[name], step, finite_float(value))
+
     def update(self, step: int, value: Optional[float], score: Optional[float] = None,
-               kl: Optional[float] = None, clip_ratio: Optional[float] = None) -> bool:
-        """Feed one step; return True if a surge is reported at this step."""
+               kl: Optional[float] = None, clip_ratio: Optional[float] = None, **cosignals: Optional[float]) -> bool:
+        """Feed one step; return True if a surge is reported at this step.
+
+        ``cosignals``: figures of :data:`COSIGNALS` logged at this step (see :meth:`observe`).
+        """
         self.last_step = step
         for rows, v in ((self._score, finite_float(score)), (self._kl, finite_float(kl)),
                         (self._clip, finite_float(clip_ratio))):
-            # A co-signal is a list of observations: a missing value adds none, and a repeat of the
-            # last value is no new observation either, so a log that forward-fills a sparse figure
-            # decides exactly as the sparse log does (what changes is how stale the figure is).
-            if v is not None and not (rows and rows[-1][1] == v):
-                rows.append([step, v])
+            _add(rows, step, v)
+        self.observe(step, **cosignals)
         number = finite_float(value)
         if number is None or number <= 0:
             self.num_skipped += 1
@@ -201,27 +238,35 @@ class CusumDetector:
         self._cusum = max(0.0, self._cusum + (y - b) / self.noise - self.drift)
         if len(self.surge_steps) >= self.max_surges:
             return False  # done; the figures above are still reported
+        fast = math.exp(median(v for _, v in self._log[-FAST_STEPS:])) / math.exp(b)
         if self._armed is None and self._cusum >= self.threshold and self.ratio >= self.min_rise:
             refs = self._refs(step, b)
-            if not self._rebound(step, b):  # a rebound is no surge, whatever the co-signals
+            if not self._rebound(step, b):  # a rebound is no surge, whatever the co-signals ...
                 self._armed = refs
                 logger.info("verl_lrstab: length alarm at step %d (cusum %.1f, level %.4g = %.3g x baseline)",
                             step, self._cusum, self.level, self.ratio)
-        fast = math.exp(median(v for _, v in self._log[-FAST_STEPS:])) / math.exp(b)
+        fired = self._rebound_collapses(step, b, fast)  # ... unless its score collapses (v4)
         if self._armed is not None and (self.level < self.min_rise * self._armed["baseline"]
                                         or step - self._armed["step"] > self.confirm_steps):
             self._disarm()  # the length came back down, or no co-signal confirmed it in time
-        if self._armed is not None:
+        if not fired and self._armed is not None:
             fired = self._decide(step, self._armed) is not None or self._runaway(self._armed)
-        elif (self._cusum >= self.threshold / 2 and self.ratio >= (1 + self.min_rise) / 2
+        elif not fired and (self._cusum >= self.threshold / 2 and max(self.ratio, fast) >= (1 + self.min_rise) / 2
               and not self._rebound(step, b, margin=1.0, high=RECOVERY_HIGH)):
             # half the length evidence (a level half-way to min_rise) is enough when a co-signal
             # already says collapse: the score falls clearly, or the mismatch KL / clip ratio has
             # grown and the last 2 steps are at min_rise (the early rise of a fast collapse); not
-            # while a run whose length had fallen climbs back below its earlier high (v3.1)
+            # while a run whose length had fallen climbs back below its earlier high (v3.1).
+            # v4: two of verl's co-signals risen confirm as soon as the last 2 steps are half-way
+            # to min_rise (the 5-step level may still trail: the explosion's first steps)
+            half = (1 + self.min_rise) / 2
+            if self.ratio < half and not (fast >= half and self._up(step, self._refs(step, b)) >= COSIGNAL_VOTES):
+                return False
             why = self._decide(step, {**self._refs(step, b), "z_factor": 1.5})
-            fired = why == "score" or (why in ("kl", "clip") and min(fast, self.ratio * FAST_SLACK) >= self.min_rise)
-        else:
+            fired = ((why == "score" and self.ratio >= half)
+                     or (why in ("kl", "clip") and self.ratio >= half and min(fast, self.ratio * FAST_SLACK) >= self.min_rise)
+                     or (why == "cosignals" and fast >= half))
+        elif not fired:
             return False
         if fired:
             self.surge_steps.append(step)
@@ -234,7 +279,7 @@ class CusumDetector:
     # -- pieces ----------------------------------------------------------------------------------
     def _prune(self, step: int) -> None:
         keep = max(self.lag + max(self.span, SCORE_NOISE_STEPS), KL_BACK[1], self.rebound_memory) + 1
-        for rows in (self._log, self._high, self._score, self._kl, self._clip):
+        for rows in (self._log, self._high, self._score, self._kl, self._clip, *self._co.values()):
             while len(rows) > 24 and rows[0][0] <= step - keep:
                 rows.pop(0)
 
@@ -298,10 +343,50 @@ class CusumDetector:
         old, n_old, _ = self._ref(self._score, step - SCORE_OLD[1], step - SCORE_OLD[0])
         return {"step": step, "baseline": math.exp(b), "score_ref": ref, "score_n": n_ref, "score_old": old,
                 "score_old_n": n_old,
-                "score_noise": noise, "score_peak": ref, "kl_ref": kl_ref, "clip_ref": clip_ref, "z_factor": 1.0}
+                "score_noise": noise, "score_peak": ref, "kl_ref": kl_ref, "clip_ref": clip_ref, "z_factor": 1.0,
+                "co_ref": {name: self._ref([r for r in rows if r[0] < step], lo, hi)[0]
+                           for name, rows in self._co.items()}}
+
+    def _up(self, step: int, a: dict) -> int:
+        """How many of verl's co-signals have risen against the alarm's references (v4)."""
+        up = 0
+        for name, rows in self._co.items():
+            ref = a.get("co_ref", {}).get(name, _NAN)
+            past = [r for r in rows if r[0] < step]  # read from the next step on (see observe)
+            if not past or not ref > 0:
+                continue
+            now = [v for s, v in past if s >= step - COSIGNAL_NOW_STEPS] or [past[-1][1]]
+            up += median(now) >= COSIGNAL_RISE[name] * ref
+        self.cosignals_up = up
+        return up
+
+    def _cosignals_seen(self, step: int) -> bool:
+        return any(rows and rows[0][0] < step for rows in self._co.values())
+
+    def _rebound_collapses(self, step: int, b: float, fast: float) -> bool:
+        """v4: a rise back to a level the run had, while the score collapses, fires.
+
+        A rebound raises no alarm (the run was that long before), but one whose score falls to
+        ``COLLAPSE_SHARE`` of its level or less is a collapse: it is watched (up to
+        ``confirm_steps`` while the last 2 steps stay at ``min_rise``) for that fall.
+        """
+        if (self._watch is None and self._cusum >= self.threshold / 2 and fast >= self.min_rise
+                and self._rebound(step, b, margin=None)):
+            self._watch = self._refs(step, b)
+        w = self._watch
+        if w is None:
+            return False
+        if fast < self.min_rise * w["baseline"] / math.exp(b) or step - w["step"] > self.confirm_steps:
+            self._watch = None
+            return False
+        if not w["score_n"] or not self._score or not w["score_ref"] > 0:
+            return False
+        now = self._score[-1][1]  # its latest observation: a fall to 60 % is no noise (at 7 units too)
+        unit = MEDIAN_SD * w["score_noise"] * math.sqrt(1 + 1 / w["score_n"])
+        return now <= COLLAPSE_SHARE * w["score_ref"] and (w["score_ref"] - now) / unit >= COLLAPSE_Z * self.score_z
 
     def _disarm(self) -> None:
-        self._armed = None
+        self._armed = self._watch = None
         self._cusum = 0.0
 
     def _decide(self, step: int, a: dict) -> Optional[str]:
@@ -311,14 +396,19 @@ class CusumDetector:
         self.kl_ratio = kl_now / a["kl_ref"] if a["kl_ref"] > 0 else _NAN  # NaN compares False
         self.clip_delta = self._recent(self._clip, step, rows_min=1)[0] - a["clip_ref"]
         now, n_now = self._recent(self._score, step)
+        up = self._up(step, a)
         if not a["score_n"] or not n_now:
             self.score_z_now = _NAN
+            if up >= COSIGNAL_VOTES:
+                return "cosignals"  # v4: two of verl's co-signals have risen with the length
             if self._kl:
                 # no score, but the mismatch KL: it (or the clip ratio) must confirm. A length
                 # excursion of a healthy run looks like a collapse's onset for its first steps; a
                 # flat mismatch says the engines still agree. (A flat clip ratio says little: the
                 # cap may be far, so with the clip ratio alone the length decides.)
                 return self._kl_or_clip()
+            if self._cosignals_seen(step):
+                return None  # v4: verl's co-signals are logged and say nothing: held, as with a flat KL
             return "length"  # the length alone: the length alarm is the surge
         unit = MEDIAN_SD * a["score_noise"] * math.sqrt(1 / n_now + 1 / a["score_n"])
         a["score_peak"] = max(a["score_peak"], now)
@@ -331,6 +421,8 @@ class CusumDetector:
             return "score"  # the score falls while the length is up: the pre-collapse signature
         if self.score_z_now >= self.score_z:
             return None  # rising score: learning
+        if up >= COSIGNAL_VOTES:
+            return "cosignals"  # v4: with the score not rising, two co-signals confirm without waiting for it to fall
         return self._kl_or_clip()
 
     def _kl_or_clip(self) -> Optional[str]:
@@ -341,6 +433,8 @@ class CusumDetector:
     # -- state ---------------------------------------------------------------------------------
     _STATE = ("_log", "_high", "_score", "_kl", "_clip", "_cusum", "_armed", "surge_steps", "num_skipped",
               "last_step", "level", "baseline", "ratio", "noise", "score_z_now", "kl_ratio", "clip_delta")
+    # v4's state; a checkpoint written before v4 has none of it (starts empty: no co-signal seen)
+    _STATE_V4 = {"_co": lambda: {name: [] for name in COSIGNALS}, "_watch": lambda: None, "cosignals_up": lambda: 0}
 
     def state_dict(self) -> dict:
         """The full state as plain Python types (safe for ``torch.load(weights_only=True)``)."""
@@ -350,6 +444,8 @@ class CusumDetector:
             out[key.lstrip("_")] = ([list(r) for r in value] if key.startswith("_") and isinstance(value, list)
                                     else dict(value) if isinstance(value, dict) else
                                     list(value) if isinstance(value, list) else value)
+        for key in self._STATE_V4:
+            out[key.lstrip("_")] = copy.deepcopy(getattr(self, key))
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -360,3 +456,8 @@ class CusumDetector:
             elif isinstance(value, dict):
                 value = dict(value)
             setattr(self, key, value)
+        for key, empty in self._STATE_V4.items():
+            value = state.get(key.lstrip("_"))
+            setattr(self, key, empty() if value is None else copy.deepcopy(value))
+        if isinstance(self._armed, dict):
+            self._armed = copy.deepcopy(self._armed)

@@ -286,3 +286,72 @@ def _as_step(value) -> int:
     if not math.isfinite(f) or f != int(f):
         raise ValueError(value)
     return int(f)
+
+
+# -- detector v4's co-signals in a log (issue 33) --------------------------------------------------
+#: The figures verl logs on every step that ``detector: cusum`` reads (v4), by the name
+#: :meth:`verl_lrstab.cusum.CusumDetector.observe` takes: what a length_surge run's trainer
+#: consumed (``actor/lrstab/...``) first, then verl's own columns.
+COSIGNAL_METRICS = {
+    "entropy": ("actor/lrstab/entropy", "actor/entropy"),
+    "grad_norm": ("actor/lrstab/grad_norm", "actor/grad_norm"),
+    "kl_loss": ("actor/lrstab/kl_loss", "actor/kl_loss"),
+    "pg_clipfrac": ("actor/lrstab/pg_clipfrac", "actor/pg_clipfrac"),
+}
+
+
+def cosignal_columns(df: pd.DataFrame) -> dict[str, str]:
+    """``{co-signal: column}`` of the v4 co-signals ``df`` logs (:data:`COSIGNAL_METRICS`; absent ones left out).
+
+    A length_surge run (it logs ``actor/lrstab/*``) is read as its trainer consumed it: its
+    ``actor/lrstab/`` columns only, none where it logged none.
+    """
+    ours = any(str(c).startswith(("actor/lrstab/", "lrstab/")) for c in df.columns)
+    out = {}
+    for name, candidates in COSIGNAL_METRICS.items():
+        found = find_metric(df, candidates[:1] if ours else candidates[1:])
+        if found is not None:
+            out[name] = found
+    return out
+
+
+def replay_with_cosignals(steps, values, config=None, warmup_steps: int = 0, mismatch_kl=None, score=None,
+                          clip_ratio=None, cosignals: dict | None = None):
+    """:func:`verl_lrstab.schedule.replay` with detector v4's co-signals fed too.
+
+    ``cosignals``: ``{name: column}`` (names of :data:`COSIGNAL_METRICS`), each aligned with
+    ``steps`` (None/NaN where a step did not log it). Without any it is ``replay`` itself. Each
+    step's figures are handed to the detector after the step's own decision, as the trainer does
+    (it has an update's figures only after the update); the detector reads them from the next
+    step on, so the order does not change a decision.
+    """
+    from verl_lrstab.schedule import LengthSurgeSchedule, ReplayResult, replay, warmup_scale
+
+    cosignals = {k: list(v) for k, v in (cosignals or {}).items() if v is not None}
+    if not cosignals:
+        return replay(steps, values, config, warmup_steps, mismatch_kl=mismatch_kl, score=score,
+                      clip_ratio=clip_ratio)
+    steps = [int(s) for s in steps]
+    columns = []
+    for name, col in (("values", values), ("mismatch_kl", mismatch_kl), ("score", score),
+                      ("clip_ratio", clip_ratio), *cosignals.items()):
+        col = list(col) if col is not None else [None] * len(steps)
+        if len(col) != len(steps):
+            raise ValueError(f"steps and {name} differ in length: {len(steps)} != {len(col)}")
+        columns.append(col)
+    schedule = LengthSurgeSchedule(config, warmup_steps=warmup_steps)
+    observe = getattr(schedule.detector, "observe", None)  # detector: ratio reads the length only
+    result = ReplayResult(surge_step=None, decay_period=None)
+    for step, value, kl, sc, clip, *extra in zip(steps, *columns):
+        result.steps.append(step)
+        result.lr_scale.append(warmup_scale(step - 1, warmup_steps) * schedule.decay_scale(step))
+        schedule.observe(step, value, kl, score=sc, clip_ratio=clip)
+        if observe is not None:
+            observe(step, **dict(zip(cosignals, extra)))
+        result.baseline.append(schedule.detector.baseline)
+        result.ratio.append(schedule.detector.ratio)
+        result.cusum.append(getattr(schedule.detector, "cusum", math.nan))
+    result.surge_step = schedule.surge_step
+    result.trigger_step = schedule.trigger_step
+    result.decay_period = schedule.decay_period
+    return result
