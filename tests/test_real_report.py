@@ -109,3 +109,43 @@ def test_real_pilot_4s_climb_back_after_its_length_collapse_is_no_surge_for_dete
     # the replay is the trainer's detector on the trainer's figures: the same CUSUM up to the fire
     assert result.cusum[:83] == pytest.approx(fed["cusum"].reindex(steps).tolist()[:83], abs=1e-9)
     assert result.surge_step is None
+
+
+# -- the dose-response report (issue 32) ---------------------------------------------------------
+def dose_run(root: Path, monkeypatch, name: str, k3, lr: float, **info) -> Path:
+    from verl.utils.tracking import Tracking
+
+    run = root / name
+    run.mkdir(parents=True)
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(run / "metrics.part1.jsonl"))
+    tracker = Tracking(project_name="p", experiment_name=name, default_backend=["file"])
+    for step in range(1, 21):
+        tracker.log({"actor/mismatch/k3": k3(step), "actor/mismatch/seq_k3": 50 * k3(step),
+                     "response_length/mean": 50.0, "critic/score/mean": 0.2,
+                     "actor/grad_norm": 0.0 if step % 4 == 0 else 1.0}, step=step)
+    tracker.finish()
+    shape = {"mode": "recompute", "sampler_dtype": "bf16", "prompts": 2, "samples": 6, "max_response_length": 192,
+             "seed": 1, "sampler_temperature": 1.0, "last_step": 20}
+    (run / "run.json").write_text(json.dumps({**shape, "lr": lr, **info}))
+    return run
+
+
+def test_the_dose_report_compares_each_lr_with_lr_0_on_the_same_steps(tmp_path, monkeypatch):
+    from repro import real_dose
+
+    base = dose_run(tmp_path, monkeypatch, "rc-lr0", lambda s: 1e-3, 0.0)
+    # twice LR 0's k3 from step 2 (step 1: the same weights and samples in every run)
+    high = dose_run(tmp_path, monkeypatch, "rc-lr1e-4", lambda s: 1e-3 if s == 1 else 2e-3, 1e-4)
+    bypass = dose_run(tmp_path, monkeypatch, "bp-lr3e-5", lambda s: 9e-3, 3e-5, mode="bypass")
+    other = dose_run(tmp_path, monkeypatch, "rc-lr3e-5-c256", lambda s: 9e-3, 3e-5, max_response_length=256,
+                     last_step=5)
+    runs = real_dose.dose_runs([base, high, bypass, other])
+    assert runs == {0.0: base, 1e-4: high}  # not the bypass run, not the other shape
+    table = real_dose.dose_table(real_dose.frames(runs))
+    assert table.loc[1e-4, "k3 / LR 0 (median over steps 2+)"] == pytest.approx(2.0)
+    assert table.loc[0.0, "k3 / LR 0 (median over steps 2+)"] == pytest.approx(1.0)
+    assert table.loc[1e-4, "k3 step 1"] == table.loc[0.0, "k3 step 1"] == pytest.approx(1e-3)
+    assert table.loc[1e-4, "zero-gradient share"] == pytest.approx(5 / 20)
+    out = real_dose.report([base, high], tmp_path / "report")
+    assert out.read_text().count("| 0.0001 |") == 1
+    assert (tmp_path / "report" / "dose.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -46,6 +46,8 @@ OUT = REPO_ROOT / "outputs" / "repro" / "real"
 ARCHIVE = REPO_ROOT / "scripts" / "repro" / "real_results"  # committed: outputs/ does not outlive a checkout
 KEPT = ("run.json", "fp32_val.json")  # copied beside the metrics into the archive
 LS = bypass_arms.LS
+MODES = ("bypass", "recompute")
+SAMPLER_DTYPES = ("bf16", "fp32")
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
 _PART = re.compile(r"metrics\.part(\d+)\.jsonl$")
 
@@ -55,7 +57,13 @@ def parse_args(argv=None):
     p.add_argument("--name", default=None)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-5, help="constant actor LR (default 1e-5)")
+    p.add_argument("--lr", type=float, default=1e-5, help="constant actor LR, 0 for the no-update control (default 1e-5)")
+    p.add_argument("--mode", choices=MODES, default="bypass",
+                   help="bypass: PPO's old log-probs are the sampler's (the clip acts on the mismatch); recompute: "
+                        "the trainer recomputes them (verl's default), the mismatch only logged (default bypass)")
+    p.add_argument("--sampler-dtype", choices=SAMPLER_DTYPES, default="bf16",
+                   help="the vLLM sampler's dtype: bf16 (a real engine mismatch) or fp32 (the control: the "
+                        "trainer's arithmetic, rounding only; default bf16)")
     p.add_argument("--sampler-temperature", type=float, default=1.0,
                    help="the sampler samples at this factor x the trainer's temperature (default 1: off)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (default 4)")
@@ -72,10 +80,18 @@ def parse_args(argv=None):
     for key in ("steps", "prompts", "samples", "max_response_length", "save_freq", "test_freq"):
         if getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-    if not (0 < args.lr < 1):
-        p.error(f"--lr must be in (0, 1), got {args.lr}")
-    args.name = args.name or f"bp_const-t{args.sampler_temperature:g}-lr{args.lr:g}-s{args.seed}"
+    if not (0 <= args.lr < 1):
+        p.error(f"--lr must be in [0, 1), got {args.lr}")
+    args.name = args.name or default_name(args)
     return args
+
+
+def default_name(args) -> str:
+    """``bp_const-t1-lr3e-05-s1`` (the first pilots' names); recompute / fp32 runs say so in front."""
+    prefix = ("bp" if args.mode == "bypass" else "rc") + ("" if args.sampler_dtype == "bf16" else "32")
+    shape = "" if (args.prompts, args.samples, args.max_response_length) == (4, 4, 256) else \
+        f"-p{args.prompts}x{args.samples}c{args.max_response_length}"
+    return f"{prefix}_const-t{args.sampler_temperature:g}-lr{args.lr:g}{shape}-s{args.seed}"
 
 
 def pilot_overrides(args) -> list[str]:
@@ -92,8 +108,12 @@ def pilot_overrides(args) -> list[str]:
         f"actor_rollout_ref.rollout.seed={args.seed}",
         f"trainer.total_training_steps={args.steps}",
         f"trainer.experiment_name={args.name}",
-        bypass_arms.BYPASS,
+        *([bypass_arms.BYPASS] if args.mode == "bypass" else []),
+        *(["actor_rollout_ref.rollout.dtype=float32"] if args.sampler_dtype == "fp32" else []),
         bypass_arms.MONITOR,
+        # the policy's entropy every step: recompute logs it from the old-log-prob pass (actor/entropy); bypass
+        # skips that pass, so the update computes it (actor/entropy_loss)
+        *(["actor_rollout_ref.actor.calculate_entropy=true"] if args.mode == "bypass" else []),
         f"{LS}.max_surges=1",
         "trainer.val_before_train=true",
         f"trainer.test_freq={args.test_freq}",
@@ -171,7 +191,7 @@ def describe_step(d: dict) -> str:
     val = next((v for k, v in d.items() if k.startswith("val-core/")), None)
     return (f" len {d.get('response_length/mean', math.nan):5.1f} at cap {d.get('actor/lrstab/clip_ratio', math.nan):.2f}"
             f" score {d.get('critic/score/mean', math.nan):.3f} k3 {d.get('actor/mismatch/k3', math.nan):.2e}"
-            f" ent {d.get('actor/entropy', math.nan):.3f} gn {d.get('actor/grad_norm', math.nan):.2f}"
+            f" ent {d.get('actor/entropy', d.get('actor/entropy_loss', math.nan)):.3f} gn {d.get('actor/grad_norm', math.nan):.2f}"
             f" surge {int(d.get('actor/lrstab/surge_step', -1))}" + (f" VAL {val:.3f}" if val is not None else ""))
 
 
@@ -205,7 +225,8 @@ def main(argv=None) -> int:
                               on_progress=progress)
     merged = merge_segments(run_dir)
     prune_checkpoints(run_dir)
-    info = {"name": args.name, "steps": args.steps, "seed": args.seed, "lr": args.lr,
+    info = {"name": args.name, "steps": args.steps, "seed": args.seed, "lr": args.lr, "mode": args.mode,
+            "sampler_dtype": args.sampler_dtype,
             "sampler_temperature": args.sampler_temperature, "prompts": args.prompts, "samples": args.samples,
             "max_response_length": args.max_response_length, "overrides": overrides,
             "segments": {**(json.loads((run_dir / "run.json").read_text()).get("segments", {})

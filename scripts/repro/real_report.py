@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
+from repro import real_dose  # noqa: E402
 from repro.real_pilot import ARCHIVE, OUT, archive, metrics_file  # noqa: E402,F401  (archive: also this module's API)
 
 from verl_lrstab.cpu.launch import REPO_ROOT  # noqa: E402
@@ -182,6 +183,7 @@ def main(argv=None) -> int:
             print(text)
     print(args.out / "blocks.md")
     print(figure(runs, args.out / "pilots.png"))
+    real_dose.report(runs, args.out)  # the dose-response runs among them (issue 32): dose.md, dose.png
     return 0
 
 
