@@ -17,8 +17,15 @@ def cmd_guard(args) -> int:
     try:
         options = GuardOptions(max_rollbacks=args.max_rollbacks, margin=args.margin, on_surge=not args.no_surge,
                                on_reward_crash=not args.no_reward_crash, on_non_finite=not args.no_non_finite,
-                               crash_fraction=args.crash_fraction, reseed=args.reseed)
-        guard = Guard(command, run_dir=Path(args.run_dir) if args.run_dir else None, options=options)
+                               crash_fraction=args.crash_fraction, reseed=args.reseed,
+                               non_finite_steps=args.non_finite_steps, max_restarts=args.max_restarts,
+                               max_resume_tries=args.max_resume_tries, skip_batches=args.skip_batches)
+        if args.resume is not None:
+            if args.run_dir is not None and Path(args.run_dir).resolve() != Path(args.resume).resolve():
+                raise GuardError("--resume RUN_DIR and --run-dir name different folders: give one")
+            guard = Guard(command or None, run_dir=Path(args.resume), resume=True)
+        else:
+            guard = Guard(command, run_dir=Path(args.run_dir) if args.run_dir else None, options=options)
     except GuardError as err:
         print(f"lrstab guard: error: {err}", file=sys.stderr)
         return 2
@@ -35,7 +42,11 @@ def add_parser(sub) -> None:
                                    "segment, resume from the newest checkpoint at or before the onset (verl's "
                                    "resume_mode=resume_path) with the LR halved from there and every P steps after "
                                    "(P = period_factor x the surge step, or x the onset step for a reward crash or a NaN), at most "
-                                   "--max-rollbacks times. Exit "
+                                   "--max-rollbacks times; a second rollback compounds (one more decay than the LR "
+                                   "in force at its checkpoint). A verl crash is restarted from the newest complete "
+                                   "checkpoint (--max-restarts). The state is kept in the run folder: a killed guard "
+                                   "stops verl, and --resume RUN_DIR (or the same command with the same --run-dir) "
+                                   "continues on the same LR rule. Exit "
                                    "status: 0 finished, 3 gave up (too many rollbacks or no checkpoint), 4 verl "
                                    "failed, 2 a bad command or option.")
     p.add_argument("--run-dir", help="events, segments and the final metrics (default: next to verl's checkpoints, "
@@ -44,10 +55,22 @@ def add_parser(sub) -> None:
     p.add_argument("--margin", type=int, default=2,
                    help="roll back to the newest checkpoint at or before onset - MARGIN steps (default 2)")
     p.add_argument("--crash-fraction", type=float, default=0.6,
-                   help="reward crash: 5-point rolling median score below this x its earlier peak (default 0.6)")
+                   help="reward crash: 5-point rolling median score below this fraction of its earlier peak's height "
+                        "above the score's floor (verl's lowest critic/score/min; default 0.6)")
     for name, what in (("surge", "the detector's surge"), ("reward-crash", "a reward crash"),
                        ("non-finite", "a NaN/inf loss or grad norm")):
         p.add_argument(f"--no-{name}", action="store_true", help=f"do not roll back on {what}")
     p.add_argument("--reseed", action="store_true", help="change the rollout seed on each rollback")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the guarded run of RUN_DIR (after the guard itself died); no command needed")
+    p.add_argument("--max-restarts", type=int, default=1,
+                   help="restarts from the newest complete checkpoint after a verl crash outside a rollback (default 1)")
+    p.add_argument("--max-resume-tries", type=int, default=3,
+                   help="checkpoints tried, newest first, when verl fails to load one (default 3)")
+    p.add_argument("--non-finite-steps", type=int, default=2,
+                   help="a NaN/inf loss or grad norm must repeat on this many consecutive steps (default 2)")
+    p.add_argument("--skip-batches", type=int, default=0,
+                   help="after a rollback, move verl's dataloader this many batches past the checkpoint's "
+                        "position (data.pt), so the trouble window's batches are not replayed (default 0)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python -m verl.trainer.main_ppo ...")
     p.set_defaults(func=cmd_guard)

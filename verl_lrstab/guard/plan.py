@@ -6,8 +6,10 @@ config tree, the logged metrics and the checkpoint folder, so it is tested on it
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +19,13 @@ import pandas as pd
 
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.config_checks import config_value
-from verl_lrstab.schedule import decay_period_from_surge, replay
+from verl_lrstab.schedule import decay_period_from_surge, num_decays, replay
 
 logger = logging.getLogger("verl_lrstab")
 
 OPTIM = "actor_rollout_ref.actor.optim"
 REASONS = ("surge", "reward_crash", "non_finite")
-LENGTH, SCORE = "response_length/mean", "critic/score/mean"
+LENGTH, SCORE, SCORE_MIN = "response_length/mean", "critic/score/mean", "critic/score/min"
 KL, CLIP = "actor/lrstab/mismatch_kl", "actor/lrstab/clip_ratio"
 NON_FINITE_KEYS = ("actor/grad_norm", "actor/pg_loss", "actor/loss")
 CRASH_WINDOW = 5  # points of the rolling median (as `lrstab compare`)
@@ -47,6 +49,13 @@ class GuardOptions:
         on_non_finite (bool): roll back on a NaN/inf loss or grad norm. Default True.
         crash_fraction (float): see ``on_reward_crash``. Default 0.6 (`lrstab compare`'s).
         reseed (bool): change the rollout seed on each rollback (a fresh draw of samples). Default False.
+        non_finite_steps (int): a NaN/inf figure must repeat on this many consecutive logged steps
+            before it rolls back (verl itself skips one bad optimizer step). Default 2.
+        max_restarts (int): a verl crash outside a rollback (OOM, NCCL, preemption) is retried from
+            the newest complete checkpoint at most this many times. Default 1.
+        max_resume_tries (int): checkpoints tried, newest first, when verl fails to resume. Default 3.
+        skip_batches (int): after a rollback, move verl's dataloader this many batches past the
+            checkpoint's position (the batches of the trouble window are not replayed). Default 0.
     """
 
     max_rollbacks: int = 2
@@ -56,6 +65,10 @@ class GuardOptions:
     on_non_finite: bool = True
     crash_fraction: float = 0.6
     reseed: bool = False
+    non_finite_steps: int = 2
+    max_restarts: int = 1
+    max_resume_tries: int = 3
+    skip_batches: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
@@ -64,6 +77,10 @@ class GuardOptions:
             raise GuardError(f"--margin must be an integer >= 0, got {self.margin!r}")
         if not 0 < self.crash_fraction < 1:
             raise GuardError(f"--crash-fraction must be in (0, 1), got {self.crash_fraction!r}")
+        for name, value, low in (("non-finite-steps", self.non_finite_steps, 1), ("max-restarts", self.max_restarts, 0),
+                                 ("max-resume-tries", self.max_resume_tries, 1), ("skip-batches", self.skip_batches, 0)):
+            if not isinstance(value, int) or value < low:
+                raise GuardError(f"--{name} must be an integer >= {low}, got {value!r}")
 
 
 @dataclass
@@ -78,6 +95,10 @@ class RunPlan:
     scheduler: str
     rollout_seed: Optional[int]
     warnings: list = field(default_factory=list)
+    resume_mode: str = "auto"
+    lr: Optional[float] = None
+    async_save: bool = False
+    save_contents: tuple = ("model", "optimizer", "extra")
 
 
 def plan_run(cfg, cwd: Path) -> RunPlan:
@@ -104,6 +125,14 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
     if missing:
         raise GuardError(f"actor_rollout_ref.actor.checkpoint.save_contents={contents} lacks {missing}: verl cannot "
                          "resume from such a checkpoint. Add them (verl's default is [model, optimizer, extra])")
+    hdfs = config_value(cfg, "trainer.default_hdfs_dir")
+    if hdfs not in (None, "", "null"):
+        raise GuardError(f"trainer.default_hdfs_dir={hdfs}: verl 0.9.1 cannot resume from a remote checkpoint "
+                         "(its _load_checkpoint raises NotImplementedError), so no rollback could load one. Unset it "
+                         "(trainer.default_hdfs_dir=null) and copy the local checkpoints out yourself (docs/guard.md)")
+    resume_mode = str(config_value(cfg, "trainer.resume_mode", "auto"))
+    if resume_mode not in ("auto", "disable", "resume_path"):
+        raise GuardError(f"trainer.resume_mode={resume_mode}: allowed values are auto, disable, resume_path")
     warnings = []
     if keep is not None and keep >= 1 and keep * save_freq < 50:
         warnings.append(f"trainer.max_actor_ckpt_to_keep={keep} with trainer.save_freq={save_freq}: verl keeps the "
@@ -119,18 +148,85 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
     if not checkpoint_dir.is_absolute():
         checkpoint_dir = cwd / checkpoint_dir
     seed = config_value(cfg, "actor_rollout_ref.rollout.seed")
+    lr = config_value(cfg, f"{OPTIM}.lr")
     return RunPlan(checkpoint_dir=checkpoint_dir, save_freq=save_freq, total_steps=total, keep=keep,
                    length_surge=ls, scheduler=str(config_value(cfg, f"{OPTIM}.lr_scheduler_type", "constant")),
-                   rollout_seed=int(seed) if seed is not None else None, warnings=warnings)
+                   rollout_seed=int(seed) if seed is not None else None, warnings=warnings, resume_mode=resume_mode,
+                   lr=float(lr) if lr is not None else None,
+                   async_save=bool(config_value(cfg, "actor_rollout_ref.actor.checkpoint.async_save", False)),
+                   save_contents=tuple(contents))
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
-def checkpoint_steps(checkpoint_dir: Path) -> list[int]:
-    """Steps of the complete verl checkpoints (``global_step_N`` with an ``actor`` folder)."""
+TRACKER = "latest_checkpointed_iteration.txt"  # verl's checkpoint_manager.get_checkpoint_tracker_filename
+_SHARD_PREFIX = {"model": "model", "optimizer": "optim", "extra": "extra_state"}
+
+
+def read_tracker(checkpoint_dir: Path) -> Optional[int]:
+    """The step in verl's tracker file (None when it is missing or being written)."""
+    try:
+        return int((checkpoint_dir / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def write_tracker(checkpoint_dir: Path, step: int) -> None:
+    """Rewrite verl's tracker atomically (write + rename): a guard killed in between leaves the old one,
+    never an empty file (with which verl's ``auto`` resume would silently train from scratch)."""
+    tmp = checkpoint_dir / f".{TRACKER}.lrstab-tmp"
+    with open(tmp, "w") as f:
+        f.write(str(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, checkpoint_dir / TRACKER)
+
+
+def checkpoint_complete(folder: Path, contents=("model", "optimizer", "extra"), tracker: Optional[int] = None,
+                        check_tracker: bool = True) -> bool:
+    """Whether verl finished writing the checkpoint ``folder`` (``global_step_N``).
+
+    verl 0.9.1's ``RayPPOTrainer._save_checkpoint`` writes, in order: every rank's actor shards
+    (``actor/{model,optim,extra_state}_world_size_W_rank_R.pt``, then rank 0's
+    ``actor/fsdp_config.json`` with W, behind a barrier), then ``data.pt`` (the dataloader), then
+    the tracker. So a checkpoint counts when the tracker is at or past its step (it was written
+    after ``data.pt``; skipped with ``async_save``), ``data.pt`` is there, and, for FSDP, each of the
+    W ranks' shards of the saved contents. (Megatron writes ``actor/dist_ckpt``: its folder is checked.)
+    """
+    m = _STEP_DIR.search(folder.name)
+    actor = folder / "actor"
+    if m is None or not actor.is_dir() or not (folder / "data.pt").is_file():
+        return False
+    if check_tracker and (tracker is None or tracker < int(m.group(1))):
+        return False
+    fsdp = actor / "fsdp_config.json"
+    if fsdp.is_file():
+        try:
+            world = int(json.loads(fsdp.read_text())["world_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        need = [_SHARD_PREFIX[c] for c in contents if c in _SHARD_PREFIX]
+        return all((actor / f"{p}_world_size_{world}_rank_{r}.pt").is_file() for p in need for r in range(world))
+    return any(actor.iterdir())
+
+
+def checkpoint_steps(checkpoint_dir: Path, contents=("model", "optimizer", "extra"), check_tracker: bool = True,
+                     exclude=()) -> list[int]:
+    """Steps of the complete verl checkpoints (:func:`checkpoint_complete`), without ``exclude``."""
     if not checkpoint_dir.is_dir():
         return []
-    return sorted(int(m.group(1)) for d in checkpoint_dir.iterdir()
-                  if (m := _STEP_DIR.search(d.name)) and (d / "actor").is_dir())
+    tracker = read_tracker(checkpoint_dir)
+    unread = check_tracker and tracker is None  # verl's own tracker write (not atomic) was cut off: the
+    steps = sorted(int(m.group(1)) for d in checkpoint_dir.iterdir()  # newest save is then not trusted
+                   if (m := _STEP_DIR.search(d.name)) and int(m.group(1)) not in exclude
+                   and checkpoint_complete(d, contents, tracker, check_tracker and not unread))
+    return steps[:-1] if unread and (checkpoint_dir / TRACKER).exists() else steps
+
+
+def step_folders(checkpoint_dir: Path) -> list[int]:
+    """Steps of every ``global_step_N`` folder, complete or not."""
+    if not checkpoint_dir.is_dir():
+        return []
+    return sorted(int(m.group(1)) for d in checkpoint_dir.iterdir() if (m := _STEP_DIR.search(d.name)))
 
 
 def choose_checkpoint(steps: list[int], onset: int, margin: int) -> Optional[int]:
@@ -174,33 +270,60 @@ def find_trouble(records: dict[int, dict], options: GuardOptions, config: Length
     Surge: the package's detector replayed on the logged length with the co-signals the trainer
     consumed (``actor/lrstab/*``, else verl's score), as ``lrstab replay`` does; its onset is the
     first step of the CUSUM run that led to the alarm (the length left its baseline there).
-    Reward crash: the first step whose rolling median score is below ``crash_fraction`` x its
-    earlier peak; onset: the step of that peak. Non-finite: a logged NaN/inf loss or grad norm
-    (a step that does not log the key is not one); onset: that step.
+    Reward crash: the first step whose rolling median score fell below ``crash_fraction`` of its
+    earlier peak's height above the score's floor (:func:`_reward_crash`); onset: the step of that
+    peak. Non-finite: a logged NaN/inf loss or grad norm on ``non_finite_steps`` consecutive steps
+    (a step that does not log the key breaks the streak); onset: the streak's first step.
     """
     found: list[Trouble] = []
     df = trajectory_frame(records)
     if options.on_non_finite:
+        streak: list[int] = []
         for step in sorted(s for s in records if s > after):
             bad = [k for k in NON_FINITE_KEYS if k in records[step] and not _finite(records[step][k])]
-            if bad:
-                found.append(Trouble("non_finite", step, step))
+            consecutive = bool(streak) and step == streak[-1] + 1
+            streak = (streak if consecutive else []) + [step] if bad else []
+            if len(streak) >= options.non_finite_steps:  # one bad step is verl's skipped update, not trouble
+                found.append(Trouble("non_finite", step, streak[0]))
                 break
     if options.on_reward_crash:
-        score = _series(df, SCORE).dropna()
-        if len(score):
-            rolling = score.rolling(CRASH_WINDOW, min_periods=1).median()
-            peak = rolling.cummax().shift(1)
-            crashed = (peak > 0) & (rolling < options.crash_fraction * peak) & (rolling.index > after)
-            if crashed.any():
-                step = int(crashed.idxmax())
-                before = rolling.loc[:step].iloc[:-1]
-                found.append(Trouble("reward_crash", step, int(before.idxmax())))
+        crash = _reward_crash(df, options.crash_fraction, after)
+        if crash is not None:
+            found.append(crash)
     if options.on_surge:
         surge = _surge(df, config)
         if surge is not None and surge[0] > after:
             found.append(Trouble("surge", surge[0], surge[1], surge_step=surge[0]))
     return min(found, key=lambda t: (t.step, REASONS.index(t.reason))) if found else None
+
+
+def score_floor(df: pd.DataFrame) -> Optional[float]:
+    """The low end of the score's range: the lowest ``critic/score/min`` verl logged (the worst
+    response's score, e.g. -1 for a +-1 reward), else min(0, the lowest mean score)."""
+    low = _series(df, SCORE_MIN).dropna()
+    if len(low):
+        return float(low.min())
+    score = _series(df, SCORE).dropna()
+    return min(0.0, float(score.min())) if len(score) else None
+
+
+def _reward_crash(df: pd.DataFrame, fraction: float, after: int) -> Optional[Trouble]:
+    """The first step after ``after`` whose rolling median score is below ``floor + fraction x (peak - floor)``:
+    the score fell to ``fraction`` of its earlier height above the range's floor (:func:`score_floor`).
+    With scores >= 0 (floor 0) this is ``fraction x peak``; a +-1 reward's floor is -1, so a fall of the
+    accuracy from 44 % to 5 % (score -0.12 -> -0.9) is a crash."""
+    score = _series(df, SCORE).dropna()
+    floor = score_floor(df)
+    if not len(score) or floor is None:
+        return None
+    rolling = score.rolling(CRASH_WINDOW, min_periods=1).median()
+    peak = rolling.cummax().shift(1)
+    crashed = (peak > floor) & (rolling - floor < fraction * (peak - floor)) & (rolling.index > after)
+    if not crashed.any():
+        return None
+    step = int(crashed.idxmax())
+    before = rolling.loc[:step].iloc[:-1]
+    return Trouble("reward_crash", step, int(before.idxmax()))
 
 
 def _surge(df: pd.DataFrame, config: LengthSurgeConfig) -> Optional[tuple[int, int]]:
@@ -234,8 +357,36 @@ def decay_period_for(trouble: Trouble, config: LengthSurgeConfig) -> int:
     return decay_period_from_surge(trouble.surge_step or trouble.onset, config.period_factor)
 
 
+LR_SCALE = "actor/lrstab/lr_scale"
+
+
+def halvings_in_force(step: int, records: dict[int, dict], rule: Optional[tuple[int, int]],
+                      gamma: float = 0.5) -> int:
+    """How many ``gamma`` decays the LR of update ``step`` carried: the larger of the guard's rule in
+    force there (``(decay_from_step, decay_period)`` or None) and the ``actor/lrstab/lr_scale`` the
+    trainer logged at that step (the run's own decay; absent when the schedule is not length_surge)."""
+    n_rule = 0 if rule is None else num_decays(step, rule[1], "surge", rule[0])
+    scale = (records.get(step) or {}).get(LR_SCALE)
+    n_logged = 0
+    if _finite(scale) and 0 < float(scale) < 1:
+        n_logged = max(0, int(math.floor(math.log(float(scale)) / math.log(gamma) + 0.5)))
+    return max(n_rule, n_logged)
+
+
+def compounded_rule(checkpoint_step: int, period: int, halvings: int) -> tuple[int, int]:
+    """``(decay_from_step, decay_period)`` whose first update after the checkpoint runs at
+    ``gamma ** (halvings + 1)``: one more decay than the LR in force at the checkpoint (a second
+    rollback never raises the LR). The decay's origin moves back ``halvings`` periods; when the
+    checkpoint is too early for that (origin < 0), the period shortens to ``checkpoint // halvings``."""
+    if halvings <= 0:
+        return checkpoint_step, period
+    if checkpoint_step - halvings * period < 0:
+        period = max(1, checkpoint_step // halvings)
+    return max(0, checkpoint_step - halvings * period), period
+
+
 def rollback_overrides(checkpoint_dir: Path, checkpoint_step: int, period: int, attempt: int,
-                       options: GuardOptions, plan: RunPlan) -> list[str]:
+                       options: GuardOptions, plan: RunPlan, decay_from_step: Optional[int] = None) -> list[str]:
     """The Hydra overrides the guard appends to the user's command for a rollback.
 
     verl resumes from the chosen checkpoint (its own ``resume_mode=resume_path``); the LR schedule
@@ -247,7 +398,7 @@ def rollback_overrides(checkpoint_dir: Path, checkpoint_step: int, period: int, 
         "trainer.resume_mode=resume_path",
         f"trainer.resume_from_path={checkpoint_dir / f'global_step_{checkpoint_step}'}",
         f"{OPTIM}.lr_scheduler_type=length_surge",
-        f"++{OPTIM}.length_surge.decay_from_step={checkpoint_step}",
+        f"++{OPTIM}.length_surge.decay_from_step={checkpoint_step if decay_from_step is None else decay_from_step}",
         f"++{OPTIM}.length_surge.decay_period={period}",
         f"++{OPTIM}.length_surge.monitor_only=false",
         f"++{OPTIM}.length_surge.guard_rollbacks={attempt}",

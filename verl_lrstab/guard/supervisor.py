@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,7 +30,8 @@ from typing import Optional, Sequence
 
 from verl_lrstab.runs import read_metrics
 from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, checkpoint_steps, choose_checkpoint,
-                                    decay_period_for, find_trouble, plan_run, rollback_overrides)
+                                    compounded_rule, decay_period_for, find_trouble, halvings_in_force, plan_run,
+                                    read_tracker, rollback_overrides, step_folders, write_tracker)
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -97,21 +99,58 @@ class EventLog:
         return record
 
 
+STATE = "guard_state.json"
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` so that a reader (or a guard killed midway) sees the old or the new file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _next_index(folder: Path, pattern: str) -> int:
+    """1 + the largest K of the existing ``pattern.format(K)`` names in ``folder`` (1 when none)."""
+    prefix, suffix = pattern.split("{}")
+    ks = [int(n[len(prefix):len(n) - len(suffix)]) for n in (p.name for p in folder.glob(pattern.replace("{}", "*")))
+          if n[len(prefix):len(n) - len(suffix)].isdigit()] if folder.is_dir() else []
+    return max(ks, default=0) + 1
+
+
 class Guard:
     """One guarded run (see the module docstring).
 
     Args:
-        command: the user's command (``python -m verl.trainer.main_ppo ...``).
-        run_dir: where the events, segments and final metrics go (default: next to verl's checkpoints).
+        command: the user's command (``python -m verl.trainer.main_ppo ...``); None with ``resume``.
+        run_dir: where the events, segments, state and final metrics go (default: next to verl's
+            checkpoints). A run folder with a ``guard_state.json`` of an unfinished run is continued.
         options: :class:`~.plan.GuardOptions`.
         env: the command's environment (default: this process's).
         cwd: where the command runs (default: the current directory).
         poll_s: how often the metrics are read.
+        resume: continue the run of ``run_dir`` (its state names the command, the options and the LR rule).
     """
 
-    def __init__(self, command: Sequence[str], run_dir: Optional[Path] = None, options: GuardOptions = GuardOptions(),
-                 env: Optional[dict] = None, cwd: Optional[Path] = None, poll_s: float = 1.0):
-        self.launcher, self.overrides = split_command(command)
+    def __init__(self, command: Optional[Sequence[str]], run_dir: Optional[Path] = None,
+                 options: GuardOptions = GuardOptions(), env: Optional[dict] = None, cwd: Optional[Path] = None,
+                 poll_s: float = 1.0, resume: bool = False):
+        self.state: Optional[dict] = None
+        if resume:
+            if run_dir is None:
+                raise GuardError("--resume needs the run folder: lrstab guard --resume RUN_DIR")
+            self.state = self._load_state(Path(run_dir))
+            if self.state is None:
+                raise GuardError(f"--resume {run_dir}: no {STATE} there (not a folder of lrstab guard v2)")
+            if command and list(command) != self.state["command"]:
+                raise GuardError(f"--resume {run_dir}: the command differs from the run's ({' '.join(self.state['command'])}); "
+                                 "give no command with --resume")
+            command = self.state["command"]
+            options = GuardOptions(**self.state["options"])
+            cwd = Path(self.state["cwd"])
+        self.launcher, self.overrides = split_command(command or [])
         self.options, self.poll_s = options, poll_s
         self.cwd = Path(cwd or os.getcwd()).resolve()
         self.env = dict(os.environ if env is None else env)
@@ -130,6 +169,43 @@ class Guard:
             raise GuardError(f"--run-dir {self.run_dir}: cannot write there ({err.strerror}); pass a writable "
                              "--run-dir") from None
         self.events = EventLog(self.run_dir / EVENTS)
+        if self.state is None:
+            self.state = self._load_state(self.run_dir)
+            if self.state is not None and self.state["command"] != self.launcher + self.overrides:
+                raise GuardError(f"--run-dir {self.run_dir} holds another command's guarded run; pass another "
+                                 f"--run-dir, or continue that one with lrstab guard --resume {self.run_dir}")
+        if self.state is not None and self.state["status"] != "running":
+            raise GuardError(f"--run-dir {self.run_dir}: its guarded run already ended ({self.state['status']}); "
+                             "pass another --run-dir for a new run")
+        if self.state is None and self.plan.resume_mode == "disable" and self._complete():
+            raise GuardError(f"trainer.resume_mode=disable with checkpoints already in {self.plan.checkpoint_dir} "
+                             f"(steps {self._complete()}): a rollback could load the old run's. Use an empty "
+                             "trainer.default_local_dir, or resume_mode=auto to continue from them")
+
+    # -- the persisted state -----------------------------------------------------------------------
+    @staticmethod
+    def _load_state(run_dir: Path) -> Optional[dict]:
+        path = run_dir / STATE
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise GuardError(f"{path}: unreadable ({err}); move it aside to start a new run there") from None
+
+    def _save(self) -> None:
+        write_json_atomic(self.run_dir / STATE, self.state)
+
+    def _new_state(self) -> dict:
+        from dataclasses import asdict
+
+        return {"version": 2, "status": "running", "command": self.launcher + self.overrides, "cwd": str(self.cwd),
+                "options": asdict(self.options), "attempt": 0, "restarts": 0, "resumed_at": None, "after": 0,
+                "rules": [], "segments": [], "bad_checkpoints": []}
+
+    def _complete(self, exclude=()) -> list[int]:
+        return checkpoint_steps(self.plan.checkpoint_dir, self.plan.save_contents,
+                                check_tracker=not self.plan.async_save, exclude=exclude)
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> int:
@@ -140,68 +216,182 @@ class Guard:
         finally:
             signal.signal(signal.SIGTERM, previous)
 
+    def _end(self, status: str, code: int) -> int:
+        self.state["status"] = status
+        self._save()
+        return code
+
     def _run(self) -> int:
         for w in self.plan.warnings:
             logger.warning("lrstab guard: %s", w)
-        self.events.write("start", 0, command=self.launcher + self.overrides, run_dir=str(self.run_dir),
-                          checkpoints=str(self.plan.checkpoint_dir), save_freq=self.plan.save_freq,
-                          max_rollbacks=self.options.max_rollbacks, warnings=self.plan.warnings)
-        segments: list[tuple[Path, int]] = []  # (metrics, first step of the segment)
-        extra: list[str] = []
-        attempt, after, resumed_at = 0, 0, 0
+        st = self.state
+        if st is None:
+            st = self.state = self._new_state()
+            self.events.write("start", 0, command=self.launcher + self.overrides, run_dir=str(self.run_dir),
+                              checkpoints=str(self.plan.checkpoint_dir), save_freq=self.plan.save_freq,
+                              max_rollbacks=self.options.max_rollbacks, warnings=self.plan.warnings)
+            target = None  # the user's own resume_mode on the first launch
+        else:
+            target = self._newest(st)
+            self.events.write("resumed", target or 0, checkpoint_step=target, attempt=st["attempt"],
+                              rule=st["rules"][-1] if st["rules"] else None)
+            print(f"lrstab guard: continuing the guarded run of {self.run_dir} from the checkpoint at step "
+                  f"{target} (rollbacks so far: {st['attempt']})", file=sys.stderr, flush=True)
+        resume_tries, limit = 0, None  # tries of the current decision; the newest step it may use
         while True:
-            seg = self.run_dir / f"segment-{len(segments) + 1}.jsonl"
-            seg.unlink(missing_ok=True)
-            segments.append((seg, resumed_at + 1))
-            trouble, rc = self._launch(seg, extra, segments, after)
-            records = self._trajectory(segments)
-            if trouble is None:
-                if rc != 0:
-                    self.events.write("failed", max(records, default=0), returncode=rc, log=str(seg.with_suffix(".log")))
-                    print(f"lrstab guard: verl exited with status {rc} (log: {seg.with_suffix('.log')})", file=sys.stderr)
-                    return STATUS_FAILED
+            seg = self.run_dir / f"segment-{_next_index(self.run_dir, 'segment-{}.jsonl')}.jsonl"
+            first = (target if target is not None else self._user_start()) + 1
+            st["segments"].append([str(seg), first])
+            st["resumed_at"] = target
+            self._save()
+            trouble, rc = self._launch(seg, self._extra(target), after=st["after"])
+            records = self._trajectory()
+            if trouble is None and rc == 0:
                 final = self._write_final(records)
-                self.events.write("done", max(records, default=0), metrics=str(final), rollbacks=attempt)
-                return 0
-            self.events.write(trouble.reason, trouble.step, onset_step=trouble.onset, surge_step=trouble.surge_step)
-            if attempt >= self.options.max_rollbacks:
+                self.events.write("done", max(records, default=0), metrics=str(final), rollbacks=st["attempt"],
+                                  restarts=st["restarts"])
+                return self._end("done", 0)
+            if trouble is None:
+                log = seg.with_suffix(".log")
+                if target is not None and not read_metrics(seg):
+                    # verl failed before logging a step: the checkpoint did not load; try the next older one
+                    st["bad_checkpoints"].append(target)
+                    older = [s for s in self._complete(exclude=st["bad_checkpoints"]) if s < target
+                             and (limit is None or s <= limit)]
+                    if resume_tries + 1 >= self.options.max_resume_tries:
+                        older = []
+                    self.events.write("resume_failed", target, checkpoint_step=target, returncode=rc, log=str(log),
+                                      next_checkpoint=max(older, default=None))
+                    if older:
+                        resume_tries += 1
+                        if st["rules"] and st["rules"][-1]["checkpoint_step"] == target:  # a rollback's resume
+                            rule = st["rules"].pop()
+                            self._push_rule(max(older), rule["base_period"], records)
+                            st["after"] = max(older)
+                        target = self._retarget(max(older))
+                        continue
+                if st["restarts"] < self.options.max_restarts and self._complete(exclude=st["bad_checkpoints"]):
+                    st["restarts"] += 1
+                    resume_tries, limit = 0, None
+                    target = max(self._complete(exclude=st["bad_checkpoints"]))
+                    self._set_aside(target, self.run_dir / "abandoned" / f"restart-{st['restarts']}")
+                    self.events.write("restart", max(records, default=0), returncode=rc, checkpoint_step=target,
+                                      restarts=st["restarts"], log=str(log))
+                    print(f"lrstab guard: verl exited with status {rc} (log: {log}); restart {st['restarts']} "
+                          f"(--max-restarts {self.options.max_restarts}) from the checkpoint at step {target}",
+                          file=sys.stderr, flush=True)
+                    continue
                 self._write_final(records)
-                self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=attempt)
-                print(f"lrstab guard: {trouble.reason} at step {trouble.step} after {attempt} rollback(s) "
+                self.events.write("failed", max(records, default=0), returncode=rc, log=str(log))
+                print(f"lrstab guard: verl exited with status {rc} (log: {log})", file=sys.stderr)
+                return self._end("failed", STATUS_FAILED)
+            self.events.write(trouble.reason, trouble.step, onset_step=trouble.onset, surge_step=trouble.surge_step)
+            if st["attempt"] >= self.options.max_rollbacks:
+                self._write_final(records)
+                self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st["attempt"])
+                print(f"lrstab guard: {trouble.reason} at step {trouble.step} after {st['attempt']} rollback(s) "
                       f"(--max-rollbacks {self.options.max_rollbacks}): stopping; the run and its checkpoints are in "
                       f"{self.plan.checkpoint_dir}", file=sys.stderr)
-                return STATUS_GAVE_UP
-            ckpt = choose_checkpoint(checkpoint_steps(self.plan.checkpoint_dir), trouble.onset, self.options.margin)
+                return self._end("gave_up", STATUS_GAVE_UP)
+            limit = trouble.onset - self.options.margin
+            ckpt = choose_checkpoint(self._complete(exclude=st["bad_checkpoints"]), trouble.onset, self.options.margin)
             if ckpt is None:
                 self._write_final(records)
-                self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=attempt,
-                                  why=f"no checkpoint at or before step {trouble.onset - self.options.margin}")
+                self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st["attempt"],
+                                  why=f"no checkpoint at or before step {limit}")
                 print(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}) but no checkpoint "
-                      f"at or before step {trouble.onset - self.options.margin} in {self.plan.checkpoint_dir}: "
+                      f"at or before step {limit} in {self.plan.checkpoint_dir}: "
                       "stopping (a smaller trainer.save_freq would have one)", file=sys.stderr)
-                return STATUS_GAVE_UP
-            attempt += 1
+                return self._end("gave_up", STATUS_GAVE_UP)
+            st["attempt"] += 1
+            resume_tries = 0
             period = decay_period_for(trouble, self.plan.length_surge)
-            abandoned = self._keep_abandoned(attempt, ckpt, seg)
-            self.events.write("rollback", trouble.step, checkpoint_step=ckpt, onset_step=trouble.onset, attempt=attempt,
-                              reason=trouble.reason, decay_period=period, abandoned_metrics=str(abandoned))
-            print(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}): rollback {attempt} to "
-                  f"the checkpoint at step {ckpt}, LR halved from there, then every {period} steps", flush=True)
-            extra = rollback_overrides(self.plan.checkpoint_dir, ckpt, period, attempt, self.options, self.plan)
-            segments[-1] = (abandoned, segments[-1][1])
-            after, resumed_at = ckpt, ckpt
+            abandoned = self._keep_abandoned(st["attempt"], ckpt, seg)
+            rule = self._push_rule(ckpt, period, records)
+            self.events.write("rollback", trouble.step, checkpoint_step=ckpt, onset_step=trouble.onset,
+                              attempt=st["attempt"], reason=trouble.reason, decay_period=rule["decay_period"],
+                              decay_from_step=rule["decay_from_step"], halvings_at_checkpoint=rule["halvings"],
+                              skip_batches=rule["skip_batches"], abandoned_metrics=str(abandoned))
+            print(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}): rollback "
+                  f"{st['attempt']} to the checkpoint at step {ckpt}, LR x{self.plan.length_surge.gamma:g} of the LR "
+                  f"in force there ({rule['halvings']} decay(s)), then every {rule['decay_period']} steps",
+                  flush=True)
+            st["segments"][-1][0] = str(abandoned)
+            st["after"], target = ckpt, ckpt
+            self._save()
 
-    def _launch(self, seg: Path, extra: list[str], segments, after: int):
+    # -- what each launch resumes from -------------------------------------------------------------
+    def _user_start(self) -> int:
+        """The step the first launch resumes at under the user's own ``resume_mode`` (0: from scratch)."""
+        if self.plan.resume_mode == "auto":
+            return read_tracker(self.plan.checkpoint_dir) or 0
+        if self.plan.resume_mode == "resume_path":
+            path = next((o.split("=", 1)[1] for o in self.overrides if o.startswith("trainer.resume_from_path=")), "")
+            m = re.search(r"global_step_(\d+)", path)
+            return int(m.group(1)) if m else 0
+        return 0
+
+    def _newest(self, st: dict) -> Optional[int]:
+        """After the guard's own death: the newest complete checkpoint of this run (None: from scratch)."""
+        steps = self._complete(exclude=st["bad_checkpoints"])
+        return self._retarget(max(steps)) if steps else None
+
+    def _retarget(self, step: int) -> int:
+        self._set_aside(step, self.run_dir / "abandoned" / "incomplete")
+        return step
+
+    def _set_aside(self, step: int, dest: Path) -> None:
+        """Move the ``global_step_N`` folders after ``step`` (unfinished saves) aside; the tracker names ``step``."""
+        for s in step_folders(self.plan.checkpoint_dir):
+            if s > step:
+                dest.mkdir(parents=True, exist_ok=True)
+                name = f"global_step_{s}"
+                shutil.move(str(self.plan.checkpoint_dir / name), str(dest / (name if not (dest / name).exists()
+                                                                               else f"{name}-{time.time():.0f}")))
+        write_tracker(self.plan.checkpoint_dir, step)
+
+    def _push_rule(self, ckpt: int, period: int, records: dict) -> dict:
+        """The LR rule from ``ckpt`` on: one more decay than the one in force there (compounding)."""
+        st = self.state
+        alive = [r for r in st["rules"] if r["checkpoint_step"] < ckpt]  # the rules of the kept trajectory
+        in_force = (alive[-1]["decay_from_step"], alive[-1]["decay_period"]) if alive else None
+        n = halvings_in_force(ckpt, records, in_force, self.plan.length_surge.gamma)
+        start, p = compounded_rule(ckpt, period, n)
+        rule = {"checkpoint_step": ckpt, "decay_from_step": start, "decay_period": p, "halvings": n, "base_period": period,
+                "attempt": st["attempt"], "skip_batches": self.options.skip_batches}
+        if self.options.skip_batches:
+            skip_batches(self.plan.checkpoint_dir / f"global_step_{ckpt}", self.options.skip_batches)
+        st["rules"] = alive + [rule]
+        return rule
+
+    def _extra(self, target: Optional[int]) -> list[str]:
+        """The overrides of a launch: none on the first (the user's resume_mode), else verl's resume
+        from ``target`` (from scratch when None) and the LR rule in force."""
+        st = self.state
+        if target is None and not st["segments"][:-1]:
+            return []
+        if target is None:
+            return ["trainer.resume_mode=disable"]
+        rules = [r for r in st["rules"] if r["checkpoint_step"] <= target]
+        if not rules:
+            return ["trainer.resume_mode=resume_path",
+                    f"trainer.resume_from_path={self.plan.checkpoint_dir / f'global_step_{target}'}"]
+        r = rules[-1]
+        return rollback_overrides(self.plan.checkpoint_dir, target, r["decay_period"], r["attempt"], self.options,
+                                  self.plan, decay_from_step=r["decay_from_step"])
+
+    def _launch(self, seg: Path, extra: list[str], after: int):
         """Run verl once; stop it at the first trouble after ``after``. Returns ``(trouble, returncode)``."""
         env = {**self.env, "VERL_FILE_LOGGER_PATH": str(seg)}
-        overrides = [o for o in self.overrides if not o.startswith(("trainer.resume_mode=", "trainer.resume_from_path="))]
+        overrides = self.overrides
+        if extra:
+            overrides = [o for o in overrides if not o.startswith(("trainer.resume_mode=", "trainer.resume_from_path="))]
         cmd = self.launcher + overrides + self._logger_override + extra
         log = seg.with_suffix(".log")
         with open(log, "w") as out:
             out.write("$ " + " ".join(cmd) + "\n")
             out.flush()
-            proc = subprocess.Popen(cmd, cwd=self.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc, lifeline = start_supervised(cmd, cwd=self.cwd, env=env, stdout=out)
             try:
                 seen = None
                 while True:
@@ -210,11 +400,11 @@ class Guard:
                         finished = True
                     except subprocess.TimeoutExpired:
                         finished = False
-                    records = self._trajectory(segments)
+                    records = self._trajectory()
                     trouble = None
                     if (len(records), max(records, default=0)) != seen:  # judge each new step once
                         seen = (len(records), max(records, default=0))
-                        trouble = find_trouble(records, self._options_now(segments), self.plan.length_surge, after)
+                        trouble = find_trouble(records, self._options_now(), self.plan.length_surge, after)
                     if trouble is not None:
                         stop_group(proc)
                         return trouble, proc.returncode
@@ -223,20 +413,22 @@ class Guard:
             except BaseException:
                 stop_group(proc)  # killing the guard stops verl too; its checkpoints stay where they are
                 raise
+            finally:
+                os.close(lifeline)
 
-    def _options_now(self, segments) -> GuardOptions:
+    def _options_now(self) -> GuardOptions:
         """A surge is answered once: the rollback starts the decay (the remedy for a surge); after it,
         only a reward crash or a non-finite loss rolls back again."""
-        if len(segments) > 1 and self.options.on_surge:
+        if self.state["attempt"] > 0 and self.options.on_surge:
             from dataclasses import replace
 
             return replace(self.options, on_surge=False)
         return self.options
 
-    def _trajectory(self, segments) -> dict[int, dict]:
+    def _trajectory(self) -> dict[int, dict]:
         """The run so far: each segment's steps, later segments replacing from where they resumed."""
         merged: dict[int, dict] = {}
-        for path, first in segments:
+        for path, first in self.state["segments"]:
             merged = {s: d for s, d in merged.items() if s < first}
             merged.update({s: d for s, d in read_metrics(path).items() if s >= first})
         return merged
@@ -244,23 +436,70 @@ class Guard:
     def _keep_abandoned(self, attempt: int, ckpt: int, seg: Path) -> Path:
         """Move the abandoned segment's checkpoints after ``ckpt`` and its metrics aside (nothing is deleted)."""
         dest = self.run_dir / "abandoned" / f"attempt-{attempt}"
+        while dest.exists() and any(dest.iterdir()):  # a folder of an earlier run in this run-dir is kept
+            dest = dest.with_name(f"attempt-{_next_index(dest.parent, 'attempt-{}')}")
         dest.mkdir(parents=True, exist_ok=True)
-        for step in checkpoint_steps(self.plan.checkpoint_dir):
-            if step > ckpt:
-                shutil.move(str(self.plan.checkpoint_dir / f"global_step_{step}"), str(dest / f"global_step_{step}"))
         moved = dest / "metrics.jsonl"
-        shutil.move(str(seg), str(moved))
+        if seg.exists():
+            shutil.move(str(seg), str(moved))
+        else:
+            moved.write_text("")
         if seg.with_suffix(".log").exists():
             shutil.copy(seg.with_suffix(".log"), dest / "verl.log")
-        (self.plan.checkpoint_dir / "latest_checkpointed_iteration.txt").write_text(str(ckpt))
+        self._set_aside(ckpt, dest)
         return moved
 
     def _write_final(self, records: dict[int, dict]) -> Path:
         path = self.run_dir / "metrics.jsonl"
-        with open(path, "w") as f:
+        tmp = path.with_name(".metrics.jsonl.tmp")
+        with open(tmp, "w") as f:
             for step in sorted(records):
                 f.write(json.dumps({"step": step, "data": records[step]}, allow_nan=True) + "\n")
+        os.replace(tmp, path)
         return path
+
+
+def skip_batches(folder: Path, n: int) -> None:
+    """Move the dataloader state of the checkpoint ``folder`` (verl's ``data.pt``, a torchdata
+    ``StatefulDataLoader`` state) ``n`` batches on, so the resumed run does not replay the batches
+    after the checkpoint. The original is kept as ``data.lrstab-orig.pt``; each call starts from it."""
+    import torch
+
+    data, orig = folder / "data.pt", folder / "data.lrstab-orig.pt"
+    if not orig.exists():
+        shutil.copy2(data, orig)
+    state = torch.load(orig, weights_only=False)
+    yielded = int(state.get("_sampler_iter_yielded") or state.get("_num_yielded") or 0)
+    inner = state.get("_sampler_iter_state")
+    if isinstance(inner, dict) and "samples_yielded" in inner:
+        per_batch = inner["samples_yielded"] // yielded if yielded else None
+        if not per_batch:
+            raise GuardError(f"--skip-batches: {orig} has no batch yielded to size a batch by")
+        inner["samples_yielded"] += n * per_batch
+    for key in ("_num_yielded", "_sampler_iter_yielded"):
+        if key in state and state[key] is not None:
+            state[key] += n
+    tmp = folder / ".data.pt.lrstab-tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, data)
+
+
+LIFELINE_WATCHDOG = "verl_lrstab.guard.watchdog"
+
+
+def start_supervised(cmd: list[str], cwd: Path, env: dict, stdout) -> tuple[subprocess.Popen, int]:
+    """Start ``cmd`` under :mod:`.watchdog` in its own session; returns the process and the pipe's
+    write end (the lifeline: the kernel closes it when this process dies, however it dies)."""
+    read, write = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", LIFELINE_WATCHDOG, str(read), "--", *cmd], cwd=cwd, env=env,
+                                stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(read,))
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    return proc, write
 
 
 def raise_on_signal(signum, frame):

@@ -1,0 +1,120 @@
+"""A stand-in for verl's ``main_ppo`` (tests of ``lrstab guard``): verl's file-logger lines and checkpoint layout.
+
+Run as ``tests/standin/python -m verl.trainer.main_ppo <verl overrides>`` (the wrapper ignores the
+``-m``). It reads the overrides verl would (total steps, save_freq, default_local_dir, resume_mode,
+resume_from_path, optim.lr, length_surge.decay_from_step/decay_period), resumes as verl 0.9.1 does
+(``auto``: the tracker; ``resume_path``: the folder; the dataloader position from ``data.pt``),
+and per step appends ``{"step": N, "data": {...}}`` to ``$VERL_FILE_LOGGER_PATH`` and saves a
+checkpoint every save_freq steps in verl's order: every rank's actor shards and fsdp_config.json,
+then data.pt, then the tracker. Its LR is its own implementation of the documented rule (the
+trainer's side, independent of the package). What goes wrong is scripted by ``$STANDIN_SCRIPT``
+(JSON): ``nan_batches`` (batch indices whose grad norm is NaN), ``nan_at`` ({launch: [steps]} with a NaN grad norm), ``crash_at`` ({launch: step}: exit
+1 before that step), ``fail_resume`` (checkpoint steps that fail to load), ``partial_save_at``
+({launch: step}: die after rank 0's shard of that step), ``score`` ("pm1": a +-1 reward whose
+accuracy falls from 0.44 to 0.05 from step 10), ``surge_at`` (a length surge from that step),
+``hang_at`` ({launch: step}: sleep after that step: for kill tests), ``daemon`` (start a "Ray daemon" in its own session).
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WORLD = 2
+
+
+def overrides(argv):
+    out = {}
+    for a in argv:
+        if "=" in a and not a.startswith("-"):
+            k, v = a.split("=", 1)
+            out[k.lstrip("+")] = v
+    return out
+
+
+def scale(update, start, period):
+    if start is None:
+        return 1.0
+    n = 0 if update <= start else 1 + (update - start - 1) // period
+    return 1.0 if n == 0 else max(0.1, 0.5 ** n)
+
+
+def main():
+    o = overrides(sys.argv[1:])
+    script = json.loads(Path(os.environ["STANDIN_SCRIPT"]).read_text()) if os.environ.get("STANDIN_SCRIPT") else {}
+    counter = Path(os.environ.get("STANDIN_COUNTER", "standin_launches.txt"))
+    launch = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(launch))
+    if os.environ.get("STANDIN_PIDS"):
+        with open(os.environ["STANDIN_PIDS"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+    if script.get("daemon"):
+        d = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        with open(os.environ["STANDIN_PIDS"], "a") as f:
+            f.write(f"{d.pid}\n")
+    total, save_freq = int(o["trainer.total_training_steps"]), int(o.get("trainer.save_freq", -1))
+    ckdir = Path(o.get("trainer.default_local_dir", "checkpoints"))
+    lr0 = float(o.get("actor_rollout_ref.actor.optim.lr", 1e-3))
+    key = "actor_rollout_ref.actor.optim.length_surge."
+    start = int(o[key + "decay_from_step"]) if key + "decay_from_step" in o else None
+    period = int(o[key + "decay_period"]) if key + "decay_period" in o else None
+    mode = o.get("trainer.resume_mode", "auto")
+    step0, batch0 = 0, 0
+    folder = None
+    if mode == "auto" and (ckdir / "latest_checkpointed_iteration.txt").exists():
+        folder = ckdir / f"global_step_{int((ckdir / 'latest_checkpointed_iteration.txt').read_text())}"
+    elif mode == "resume_path":
+        folder = Path(o["trainer.resume_from_path"])
+    if folder is not None:
+        step0 = int(re.search(r"global_step_(\d+)", str(folder)).group(1))
+        if step0 in script.get("fail_resume", []):
+            print(f"RuntimeError: cannot load {folder}", file=sys.stderr)
+            return 1
+        state = torch.load(folder / "data.pt", weights_only=False)
+        batch0 = state["_num_yielded"]
+        print(f"Resuming from {folder} (batch {batch0})", flush=True)
+    log = open(os.environ["VERL_FILE_LOGGER_PATH"], "a")
+    for step in range(step0 + 1, total + 1):
+        if script.get("crash_at", {}).get(str(launch)) == step:
+            print("torch.OutOfMemoryError: stand-in crash", file=sys.stderr)
+            return 1
+        batch = batch0 + step - step0 - 1
+        s = scale(step, start, period)
+        length = 100.0 + (0.0 if step < script.get("surge_at", 10**9) else 40.0 * (step - script["surge_at"] + 1))
+        if script.get("score") == "pm1":
+            acc = 0.44 if step < 10 else 0.05
+            score, low = 2 * acc - 1, -1.0
+        else:
+            score, low = 0.5, 0.0
+        data = {"response_length/mean": length, "critic/score/mean": score, "critic/score/min": low,
+                "actor/grad_norm": math.nan if batch in script.get("nan_batches", [])
+                or step in script.get("nan_at", {}).get(str(launch), []) else 1.0,
+                "actor/lr": lr0 * s, "data/batch_index": batch, "actor/lrstab/lr_scale": s}
+        log.write(json.dumps({"step": step, "data": data}) + "\n")
+        log.flush()
+        if save_freq > 0 and step % save_freq == 0:
+            actor = ckdir / f"global_step_{step}" / "actor"
+            actor.mkdir(parents=True, exist_ok=True)
+            for rank in range(WORLD):
+                for prefix in ("model", "optim", "extra_state"):
+                    (actor / f"{prefix}_world_size_{WORLD}_rank_{rank}.pt").write_bytes(b"x")
+                if script.get("partial_save_at", {}).get(str(launch)) == step:
+                    os._exit(1)
+            (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": WORLD}))
+            torch.save({"_num_yielded": batch + 1, "_sampler_iter_yielded": batch + 1,
+                        "_sampler_iter_state": {"samples_yielded": 4 * (batch + 1)}}, actor.parent / "data.pt")
+            (ckdir / "latest_checkpointed_iteration.txt").write_text(str(step))
+        time.sleep(float(os.environ.get("STANDIN_STEP_S", "0.02")))
+        if script.get("hang_at", {}).get(str(launch)) == step:
+            time.sleep(600)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

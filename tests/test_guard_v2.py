@@ -1,0 +1,217 @@
+"""``lrstab guard`` v2 (issue 34), driven through its real CLI around a stand-in verl child.
+
+The child (tests/standin/main_ppo.py) writes verl's file-logger lines and checkpoint layout and
+follows verl 0.9.1's resume; what goes wrong in it is scripted per test. Each test takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from verl_lrstab.guard.plan import checkpoint_complete, checkpoint_steps, read_tracker
+from verl_lrstab.runs import read_metrics
+
+STANDIN = Path(__file__).resolve().parent / "standin" / "python"
+LR0 = 1e-3
+
+
+def expected_scale(update: int, start: int, period: int) -> float:
+    """The documented rule: the first update after ``start`` at 0.5, one more halving every ``period``; floor 0.1."""
+    n = 0 if update <= start else 1 + (update - start - 1) // period
+    return 1.0 if n == 0 else max(0.1, 0.5 ** n)
+
+
+class Run:
+    def __init__(self, tmp_path: Path, script: dict, steps=20, save_freq=4, extra=()):
+        self.dir = tmp_path
+        self.ckpt = tmp_path / "ckpt"
+        self.run_dir = tmp_path / "guard"
+        (tmp_path / "script.json").write_text(json.dumps(script))
+        self.env = {**os.environ, "STANDIN_PYTHON": sys.executable, "STANDIN_SCRIPT": str(tmp_path / "script.json"),
+                    "STANDIN_COUNTER": str(tmp_path / "launches.txt"), "STANDIN_PIDS": str(tmp_path / "pids.txt")}
+        self.command = [str(STANDIN), "-m", "verl.trainer.main_ppo", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                        f"trainer.total_training_steps={steps}", f"trainer.save_freq={save_freq}",
+                        f"trainer.default_local_dir={self.ckpt}", f"actor_rollout_ref.actor.optim.lr={LR0}",
+                        "trainer.logger=[console,file]", *extra]
+
+    def guard(self, *options, command=None, timeout=120):
+        cmd = [sys.executable, "-m", "verl_lrstab.cli", "guard", "--run-dir", str(self.run_dir), *options]
+        if command is not False:
+            cmd += ["--", *(command or self.command)]
+        return subprocess.run(cmd, cwd=self.dir, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def events(self, kind=None):
+        es = [json.loads(line) for line in (self.run_dir / "lrstab_events.jsonl").read_text().splitlines()]
+        return [e for e in es if kind is None or e["event"] == kind]
+
+    def final(self):
+        return read_metrics(self.run_dir / "metrics.jsonl")
+
+    def launches(self):
+        return int((self.dir / "launches.txt").read_text())
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# -- (1) the guard's own death ----------------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killing_the_guard_stops_verl_and_its_daemons_within_seconds(tmp_path, sig):
+    run = Run(tmp_path, {"hang_at": {"1": 1}, "daemon": True})
+    proc = subprocess.Popen([sys.executable, "-m", "verl_lrstab.cli", "guard", "--run-dir", str(run.run_dir), "--",
+                             *run.command], cwd=tmp_path, env=run.env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    pids_file = tmp_path / "pids.txt"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(pids_file.read_text().split() if pids_file.exists() else []) < 2:
+        time.sleep(0.2)
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2 and all(alive(p) for p in pids)  # verl's driver and a daemon in its own session
+    proc.send_signal(sig)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids), [p for p in pids if alive(p)]
+
+
+def start_guard(run: Run, *options):
+    return subprocess.Popen([sys.executable, "-m", "verl_lrstab.cli", "guard", "--run-dir", str(run.run_dir), *options,
+                             "--", *run.command], cwd=run.dir, env=run.env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def wait_for(predicate, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_killed_guard_resumes_on_the_same_lr_rule_without_reusing_folders(tmp_path):
+    # NaN at steps 10, 11 -> rollback 1 to step 8; the resumed segment (launch 2) stops at step 17, the guard is SIGKILLed
+    run = Run(tmp_path, {"nan_at": {"1": [10, 11]}, "hang_at": {"2": 17}}, steps=24)
+    proc = start_guard(run)
+    assert wait_for(lambda: run.launches() == 2 if (tmp_path / "launches.txt").exists() else False)
+    seg = lambda: run.run_dir / f"segment-{len(list(run.run_dir.glob('segment-*.jsonl')))}.jsonl"  # noqa: E731
+    assert wait_for(lambda: 17 in read_metrics(seg()))
+    proc.kill()
+    proc.wait(timeout=30)
+    (rb,) = run.events("rollback")
+    state = json.loads((run.run_dir / "guard_state.json").read_text())
+    assert state["status"] == "running" and state["attempt"] == 1
+    assert state["rules"][0]["decay_from_step"] == rb["decay_from_step"]
+    segments_before = {p.name for p in run.run_dir.glob("segment-*")}
+    attempts_before = {p.name for p in (run.run_dir / "abandoned").iterdir()}
+    again = subprocess.run([sys.executable, "-m", "verl_lrstab.cli", "guard", "--resume", str(run.run_dir)],
+                           cwd=tmp_path, env=run.env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    (resumed,) = run.events("resumed")
+    assert resumed["checkpoint_step"] == 16 and resumed["attempt"] == 1
+    assert segments_before < {p.name for p in run.run_dir.glob("segment-*")}  # old segments kept, a new one added
+    assert attempts_before <= {p.name for p in (run.run_dir / "abandoned").iterdir()}
+    assert not run.events("rollback")[1:]  # no new rollback, no new attempt folder
+    final = run.final()
+    assert sorted(final) == list(range(1, 25))
+    for u in range(rb["checkpoint_step"] + 1, 25):  # the same LR rule across the guard's death
+        assert final[u]["actor/lr"] == pytest.approx(LR0 * expected_scale(u, rb["decay_from_step"], rb["decay_period"]))
+    assert final[rb["checkpoint_step"] + 1]["actor/lr"] == pytest.approx(LR0 * 0.5)
+
+
+def test_rerunning_with_the_same_run_dir_continues_a_running_run_and_refuses_a_finished_one(tmp_path):
+    run = Run(tmp_path, {})
+    assert run.guard().returncode == 0
+    again = run.guard()
+    assert again.returncode == 2 and "already ended (done)" in again.stderr
+
+
+def test_resume_mode_disable_is_respected_and_refused_over_old_checkpoints(tmp_path):
+    run = Run(tmp_path, {}, extra=["trainer.resume_mode=disable"])
+    first = run.guard()
+    assert first.returncode == 0, first.stderr
+    log = (run.run_dir / "segment-1.log").read_text().splitlines()[0]
+    assert "trainer.resume_mode=disable" in log  # the user's setting reaches verl on the first launch
+    run.run_dir = tmp_path / "guard2"
+    second = run.guard()
+    assert second.returncode == 2 and "trainer.resume_mode=disable with checkpoints already in" in second.stderr
+
+
+# -- (2) checkpoints verl finished, failed resumes, verl's crashes -----------------------------------
+def test_a_checkpoint_counts_only_once_verl_finished_writing_it(tmp_path):
+    ck = tmp_path
+    for step in (4, 8):
+        actor = ck / f"global_step_{step}" / "actor"
+        actor.mkdir(parents=True)
+        for r in range(2):
+            for p in ("model", "optim", "extra_state"):
+                (actor / f"{p}_world_size_2_rank_{r}.pt").write_bytes(b"x")
+        (actor / "fsdp_config.json").write_text('{"world_size": 2}')
+        (ck / f"global_step_{step}" / "data.pt").write_bytes(b"x")
+    (ck / "latest_checkpointed_iteration.txt").write_text("4")
+    assert checkpoint_steps(ck) == [4]  # step 8's tracker was not written yet
+    (ck / "latest_checkpointed_iteration.txt").write_text("8")
+    assert checkpoint_steps(ck) == [4, 8]
+    (ck / "global_step_8" / "actor" / "optim_world_size_2_rank_1.pt").unlink()  # rank 1 did not finish
+    assert checkpoint_steps(ck) == [4]
+    (ck / "global_step_4" / "data.pt").unlink()
+    assert not checkpoint_complete(ck / "global_step_4", tracker=8)
+    (ck / "global_step_12" / "actor").mkdir(parents=True)  # verl's first mkdir, before any shard
+    assert checkpoint_steps(ck) == []
+
+
+def test_a_crash_midway_through_a_save_restarts_from_the_last_complete_checkpoint(tmp_path):
+    run = Run(tmp_path, {"partial_save_at": {"1": 12}})
+    res = run.guard()
+    assert res.returncode == 0, res.stderr
+    (restart,) = run.events("restart")
+    assert restart["checkpoint_step"] == 8 and restart["restarts"] == 1  # not the half-written step 12
+    assert (run.run_dir / "abandoned" / "restart-1" / "global_step_12").is_dir()  # set aside, not deleted
+    assert sorted(run.final()) == list(range(1, 21)) and read_tracker(run.ckpt) == 20
+
+
+def test_a_verl_crash_is_restarted_up_to_max_restarts_then_fails(tmp_path):
+    run = Run(tmp_path, {"crash_at": {"1": 11, "2": 14}})
+    res = run.guard("--max-restarts", "1")
+    assert res.returncode == 4 and "verl exited with status 1" in res.stderr
+    assert [e["checkpoint_step"] for e in run.events("restart")] == [8] and run.events("failed")
+    (tmp_path / "b").mkdir()
+    run2 = Run(tmp_path / "b", {"crash_at": {"1": 11, "2": 14}})
+    res = run2.guard("--max-restarts", "2")
+    assert res.returncode == 0, res.stderr
+    assert [e["checkpoint_step"] for e in run2.events("restart")] == [8, 12] and sorted(run2.final()) == list(range(1, 21))
+
+
+def test_a_checkpoint_that_fails_to_load_is_replaced_by_the_next_older_one(tmp_path):
+    run = Run(tmp_path, {"nan_at": {"1": [11, 12]}, "fail_resume": [8]}, steps=24)
+    res = run.guard()
+    assert res.returncode == 0, res.stderr
+    rb = run.events("rollback")[0]
+    assert rb["checkpoint_step"] == 8
+    (failed,) = run.events("resume_failed")
+    assert failed["checkpoint_step"] == 8 and failed["next_checkpoint"] == 4
+    final = run.final()
+    assert sorted(final) == list(range(1, 25))
+    assert final[5]["actor/lr"] == pytest.approx(LR0 * 0.5)  # the decay starts at the older checkpoint
+    assert all(final[u]["actor/lr"] == pytest.approx(LR0) for u in range(1, 5))
+
+
+def test_failed_resumes_are_bounded(tmp_path):
+    run = Run(tmp_path, {"nan_at": {"1": [15, 16]}, "fail_resume": [4, 8, 12]}, steps=24)
+    res = run.guard("--max-resume-tries", "2", "--max-restarts", "0")
+    assert res.returncode == 4
+    assert [e["checkpoint_step"] for e in run.events("resume_failed")] == [12, 8]

@@ -1,0 +1,108 @@
+"""``python -m verl_lrstab.guard.watchdog FD -- COMMAND...``: run verl so that it dies with the guard.
+
+The guard starts this in a new session with the read end of a pipe (``FD``) whose write end only
+the guard holds. The kernel closes that end whenever the guard dies, SIGKILL and the OOM killer
+included, so the watchdog reads EOF and stops everything it started. It is a child subreaper
+(``PR_SET_CHILD_SUBREAPER``): Ray's local daemons and workers that outlive verl's driver are
+re-parented to it, so the process tree it stops is complete even when they left the session.
+verl's driver also gets ``PR_SET_PDEATHSIG`` (SIGTERM when the watchdog goes).
+
+Exit status: the command's (128 + N for a signal N); 143 when it was stopped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+GRACE_S = 10.0
+
+
+def _prctl(option: int, value: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the pipe and the process group still work
+        pass
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def stop_tree(grace_s: float = GRACE_S) -> None:
+    """SIGTERM every descendant, wait up to ``grace_s``, SIGKILL what is left; reap them all."""
+    me = os.getpid()
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        for pid in descendants(me):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait
+        while time.monotonic() < end and _reap_all():
+            time.sleep(0.1)
+    _reap_all()
+
+
+def _reap_all() -> bool:
+    """Reap exited children; True while some child is still alive."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+
+
+def _child_setup():
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    fd = int(argv[0])
+    command = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the guard decides; a terminal's Ctrl-C reaches it
+    proc = subprocess.Popen(command, preexec_fn=_child_setup)
+    while True:
+        if stopping:
+            break
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready and os.read(fd, 1) == b"":  # EOF: the guard is gone
+            break
+        if proc.poll() is not None:
+            stop_tree(grace_s=2.0)  # what verl's driver left behind (Ray daemons, workers)
+            rc = proc.returncode
+            return 128 - rc if rc < 0 else rc
+    stop_tree()
+    return 143
+
+
+if __name__ == "__main__":
+    sys.exit(main())
