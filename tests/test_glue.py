@@ -232,6 +232,7 @@ def test_v0_driver_wrap_tags_the_step_and_hands_the_pre_rejection_stats_to_the_w
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     sent = []
     wrapper = driver.make_v0_update_actor(
@@ -242,7 +243,10 @@ def test_v0_driver_wrap_tags_the_step_and_hands_the_pre_rejection_stats_to_the_w
     stats = mismatch.compute_stats(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
                                    batch.batch["response_mask"]).tolist()
     driver._run.pre_rs = stats
-    wrapper(SimpleNamespace(config=config), batch)
+    trainer = RayPPOTrainer.__new__(RayPPOTrainer)  # its checks (check_run) are tested in test_glue_trainers.py
+    trainer.config = config
+    driver._checked[trainer] = False  # what check_run records for V0's RayPPOTrainer: sync
+    wrapper(trainer, batch)
     assert tu.pop(sent[0], key=PRE_RS_STATS_KEY, default=None) == stats
     # V0: one update per step, sync; the rollout's response cap
     assert list(tu.pop(sent[0], key=STEP_POSITION_KEY, default=None)) == [0, 1, 0, 48]

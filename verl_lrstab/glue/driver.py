@@ -3,8 +3,10 @@
 - ``RayPPOTrainer.__init__`` (V0) and ``PPOTrainer.__init__`` (V1): a ``length_surge`` run is
   checked as a whole before it trains (:func:`check_run`): every wrap it needs installed in
   this process, and the options that need more than the optimizer config (rollout log-probs
-  for the mismatch trigger, not in an async trainer mode), and the rollout configurations known
-  to bias the mismatch figures are warned about (:mod:`verl_lrstab.config_checks`).
+  for the mismatch trigger, not with an async trainer: decided by the trainer's class,
+  :mod:`.trainers`), and the rollout configurations known to bias the mismatch figures are
+  warned about (:mod:`verl_lrstab.config_checks`). A trainer whose checks never ran (its
+  ``__init__`` skips verl's) is refused at its first ``_update_actor``, naming its class.
 - ``_update_actor`` (V0, V1): tags the actor batch with its position in the trainer step
   (:data:`~verl_lrstab.glue.worker.STEP_POSITION_KEY`); the worker refuses an untagged batch.
 - ``compute_rollout_correction_and_add_to_batch``: with rejection sampling (``rollout_rs``) it
@@ -18,17 +20,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
+from verl_lrstab.glue import trainers
 from verl_lrstab.glue.configs import length_surge_options
 from verl_lrstab.glue.failsafe import SCHEDULER_NAME
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
 from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError
 
 logger = logging.getLogger("verl_lrstab")
-ASYNC_MODES = ("colocate_async", "separate_async")
 
 _run = threading.local()  # per thread: verl's trainer runs in one thread of its process
 _length_surge_runs = 0  # trainers built in this process that name length_surge
+#: trainer -> whether its rollout is async, for every length_surge trainer whose run-level checks ran
+_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def names_length_surge(config) -> bool:
@@ -45,29 +50,70 @@ def trainer_mode(config) -> str:
     return (trainer.get("v1") or {}).get("trainer_mode", "sync") or "sync"
 
 
-def check_run(config, require) -> None:
+def trainer_class(config) -> type:
+    """The class verl's main_ppo builds for ``config``: V0's ``RayPPOTrainer``, or V1's registered mode."""
+    if not config.trainer.get("use_v1", True):
+        from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+        return RayPPOTrainer
+    from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
+
+    try:
+        return get_trainer_cls(trainer_mode(config))
+    except (KeyError, ValueError):  # not registered (yet) in this process: judged as verl's base, async
+        return PPOTrainer
+
+
+def run_is_async(config, trainer_cls: type) -> bool:
+    """Whether ``trainer_cls`` run with ``config`` may sample with older weights (by class: :mod:`.trainers`)."""
+    return trainers.is_async(trainer_cls, trainer_mode(config) if trainers._is_v1(trainer_cls) else None)
+
+
+def check_run(config, require, trainer=None) -> bool:
     """Refuse, before training, a ``length_surge`` run the glue cannot serve in this process.
 
     ``require(engine)``: the registry's check that every wrap the run needs is installed here.
+    ``trainer``: the trainer being built (its class decides whether the rollout is async; without
+    it, the class main_ppo would build for the config). Returns whether the run is async.
     """
     global _length_surge_runs
     actor = config.actor_rollout_ref.actor
     require("megatron" if actor.get("strategy") == "megatron" else "fsdp")
     options = length_surge_options(actor.optim.get("length_surge"))
+    cls = type(trainer) if trainer is not None else trainer_class(config)
+    is_async = run_is_async(config, cls)
     key = "actor_rollout_ref.actor.optim.length_surge.trigger"
     if options.trigger != "length":
         if not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
             raise GlueError(f"{key}={options.trigger!r} needs the rollout engine's log-probs: set "
                             "actor_rollout_ref.rollout.calculate_log_probs=true (or trigger: length)")
-        mode = trainer_mode(config)
-        if mode in ASYNC_MODES:
-            raise GlueError(f"{key}={options.trigger!r} is not supported with trainer.v1.trainer_mode={mode!r}: "
-                            "there the rollout samples with older weights than the trainer scores with, so the "
-                            "mismatch figures mix engine mismatch with policy staleness and the trigger would "
-                            "react to staleness. Allowed: trigger: length (the mismatch/* figures are still "
-                            "logged), or trainer_mode: sync")
+        if is_async:
+            raise GlueError(f"{key}={options.trigger!r} is not supported with the trainer {trainers.describe(cls)} "
+                            f"(trainer.v1.trainer_mode={trainer_mode(config)!r}): its rollout may sample with older "
+                            "weights than the trainer scores with, so the mismatch figures mix engine mismatch "
+                            "with policy staleness and the trigger would react to staleness. Allowed: trigger: "
+                            "length (the mismatch/* figures are still logged), or trainer_mode: sync")
     warn_about_rollout_config(config)
+    if trainer is not None:
+        _checked[trainer] = is_async
     _length_surge_runs += 1
+    return is_async
+
+
+def checked_async(trainer) -> bool:
+    """Whether ``trainer``'s rollout is async, as its run-level checks found; a trainer whose checks never
+    ran (its ``__init__`` does not reach verl's ``RayPPOTrainer.__init__`` / ``PPOTrainer.__init__``) is refused."""
+    try:
+        return _checked[trainer]
+    except (KeyError, TypeError):
+        pass
+    cls = type(trainer)
+    raise GlueError(f"verl_lrstab: {SCHEDULER_NAME} is not supported with the trainer {trainers.describe(cls)}: its "
+                    "__init__ does not run verl's RayPPOTrainer.__init__ / PPOTrainer.__init__, where the run's "
+                    "checks (the mismatch trigger's needs, whether its rollout is async) are made, so the "
+                    "scheduler could be fed figures it must not use. Supported: verl's main_ppo trainers (V0 "
+                    "RayPPOTrainer, V1 sync / colocate_async / separate_async) and subclasses that call "
+                    "super().__init__; see docs/integration.md#trainers")
 
 
 def warn_about_rollout_config(config) -> None:
@@ -85,7 +131,7 @@ def warn_about_rollout_config(config) -> None:
 
 def make_trainer_init(original_fn, require):
     def check_then_init(original, *args, **kwargs):
-        check_run(argument(args, kwargs, 1, "config"), require)
+        check_run(argument(args, kwargs, 1, "config"), require, trainer=args[0])
         return original(*args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(argument((self,) + a, k, 1, "config")),
@@ -95,9 +141,10 @@ def make_trainer_init(original_fn, require):
 def make_v1_update_actor(original_fn):
     def tag_then_update(original, self, *args, **kwargs):
         batch = argument((self,) + args, kwargs, 1, "batch")
+        is_async = checked_async(self)
         count = int(getattr(self, "parameter_sync_step", 1) or 1)
         index = int(getattr(self, "local_trigger_step", 0) or 0)
-        _tag(batch.extra_info, [index, count, int(trainer_mode(self.config) in ASYNC_MODES), response_cap(self.config)])
+        _tag(batch.extra_info, [index, count, int(is_async), response_cap(self.config)])
         return original(self, *args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
@@ -116,7 +163,8 @@ def v1_trainer_checks(module, fn):
 def make_v0_update_actor(original_fn):
     def tag_then_update(original, self, *args, **kwargs):
         batch = argument((self,) + args, kwargs, 1, "batch")
-        _tag(batch.meta_info, [0, 1, 0, response_cap(self.config)])  # V0: one update per trainer step, never async
+        is_async = checked_async(self)
+        _tag(batch.meta_info, [0, 1, int(is_async), response_cap(self.config)])  # V0: one update per trainer step
         return original(self, *args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)

@@ -64,8 +64,11 @@ def _config_optim(self, *args, **kwargs):
 
 
 def _config_actor_optim(self, *args, **kwargs):
+    """The actor's scheduler name under either of verl's keys (FSDP's, Megatron's ``lr_decay_style``)."""
     config = args[0] if args else kwargs.get("config")
-    return config.actor_rollout_ref.actor.optim.get("lr_scheduler_type")
+    optim = config.actor_rollout_ref.actor.optim
+    names = (optim.get("lr_scheduler_type"), optim.get("lr_decay_style"))
+    return SCHEDULER_NAME if SCHEDULER_NAME in names else names[0]
 
 
 ACTOR_KEY = "actor_rollout_ref.actor.optim.lr_scheduler_type"
@@ -87,5 +90,13 @@ WRAPS = [
     Wrap("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer.__ray_actor_class__",
          "__init__", ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
          refusal(ACTOR_KEY, "the fully-async trainer (verl.experimental.fully_async_policy)", _config_actor_optim),
+         required=False),
+    # Its __init__ skips RayPPOTrainer.__init__ (the run's checks) and its rollout samples one policy
+    # version back; no test here runs it (it needs a separate rollout pool): refused rather than guessed.
+    Wrap("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer", "__init__",
+         ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
+         refusal(ACTOR_KEY, "the one-step-off-policy trainer (verl.experimental.one_step_off_policy."
+                 "ray_trainer.OneStepOffRayTrainer: its rollout samples one policy version behind the trainer, and "
+                 "its __init__ skips RayPPOTrainer.__init__, where the run is checked)", _config_actor_optim),
          required=False),
 ]

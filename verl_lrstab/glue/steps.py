@@ -20,6 +20,9 @@ PRE_RS_STATS_KEY = "lrstab_pre_rs_mismatch_stats"  # mismatch stats over the tok
 #: A length that cannot be measured (no key it comes from) on this many consecutive trainer
 #: steps fails the run: the detector would never see a step and the LR would stay constant.
 MAX_UNMEASURED_STEPS = 3
+#: Figures handed to the scheduler that verl's engine never consumed (it did not step the
+#: scheduler) on this many consecutive trainer steps fail the run: the LR would stay constant.
+MAX_UNSTEPPED_STEPS = 3
 
 
 class GlueError(RuntimeError):
@@ -33,6 +36,8 @@ class StepState:
         self.configured_warmup = configured_warmup  # in actor updates, as verl resolved it
         self.updates_per_step = 1
         self.unmeasured_steps = 0
+        self.unfed_updates = 0  # consecutive actor updates held (not the last of their trainer step)
+        self.unstepped_steps = 0  # consecutive feeds verl's engine did not consume
         self.acc = StepAccumulator()
 
 
@@ -47,8 +52,40 @@ def state_of(scheduler: FedSchedule, configured_warmup: Optional[int] = None) ->
     return state
 
 
+def count_held_update(state: StepState, last: bool, count: int, index: int) -> None:
+    """Count an actor update that does not feed the scheduler (not its trainer step's last); fail the run
+    when one trainer step's worth (``count``, the updates per step the driver tagged) passed unfed.
+
+    A trainer step runs ``count`` updates, the first ``count - 1`` held: more than that in a row means
+    the position never reaches the last update (a trainer whose ``step()`` does not advance verl's
+    ``local_trigger_step``, or a ``parameter_sync_step`` its ``step()`` does not loop over), and the LR
+    would stay constant with nothing logged.
+    """
+    if last:
+        state.unfed_updates = 0
+        return
+    state.unfed_updates += 1
+    if state.unfed_updates >= count:
+        raise GlueError(f"verl_lrstab: the length_surge scheduler was not fed for {state.unfed_updates} consecutive "
+                        f"actor updates: each batch is tagged update {index} of {count} in its trainer step, so "
+                        "the step's last update (which feeds the scheduler) never comes and the LR would stay "
+                        "constant. The trainer's step() does not advance verl's local_trigger_step over its "
+                        "parameter_sync_step updates (an overridden step(), or a trainer mode that does not loop "
+                        "over trainer.v1.<mode>.parameter_sync_step); set parameter_sync_step: 1 or run "
+                        "verl's own trainer modes.")
+
+
 def feed(scheduler: FedSchedule, state: StepState, length: float) -> None:
     """Hand one trainer step's length and score to the scheduler (verl's engine then steps it)."""
+    if scheduler.pending_response_length is not None:  # the previous step's figures were never consumed
+        state.unstepped_steps += 1
+        if state.unstepped_steps >= MAX_UNSTEPPED_STEPS:
+            raise GlueError(f"verl_lrstab: verl's engine did not step the length_surge scheduler on "
+                            f"{state.unstepped_steps} consecutive trainer steps (the figures handed to it were "
+                            "never consumed), so the LR would stay constant. verl-lrstab supports verl 0.9.x; "
+                            "`python patches/check_verl.py` lists what no longer matches.")
+    else:
+        state.unstepped_steps = 0
     if state.acc.length_unmeasured:
         state.unmeasured_steps += 1
         if state.unmeasured_steps >= MAX_UNMEASURED_STEPS:

@@ -20,8 +20,8 @@ import logging
 from verl_lrstab.bypass import is_bypass
 from verl_lrstab.glue import signals
 from verl_lrstab.glue.bypass import train_mini_batch_bypass
-from verl_lrstab.glue.steps import (PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError, StepState, feed, feed_mismatch,
-                                    state_of, step_position, with_metrics)
+from verl_lrstab.glue.steps import (PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError, StepState, count_held_update,
+                                    feed, feed_mismatch, state_of, step_position, with_metrics)
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
 from verl_lrstab.schedule import FedSchedule
 
@@ -64,6 +64,7 @@ def _train_mini_batch(original_fn, self, *args, **kwargs):
     if index == 0:
         state.acc.reset()
     last = index == count - 1
+    count_held_update(state, last, count, index)
     run_original = lambda: original_fn(self, *args, **kwargs)  # noqa: E731
     length_stats = signals.global_length_stats(data, group, cap=cap or None)
     state.acc.add_score(signals.global_score_stats(data, group))
