@@ -317,7 +317,8 @@ def class_i(rng, name) -> Trace:
     acc0 = rng.uniform(0.55, 0.7)
     acc = np.interp(t, [1, 20, onset + crash_in - 3, onset + crash_in, onset + crash_in + 6],
                     [acc0 - 0.1, acc0, acc0, 0.45, 0.1])
-    up = lambda factor: _interp_log(t, [(onset, 1.0), (onset + rise, factor)])  # noqa: E731
+    # the real runs' log shows them up from the surge's first steps: at full height half-way through it
+    up = lambda factor: _interp_log(t, [(onset, 1.0), (onset + rise // 2, factor)])  # noqa: E731
     co = _cosignals(rng, t, entropy=up(rng.uniform(1.2, 1.4)), grad=up(rng.uniform(3, 5)), kl=up(rng.uniform(4, 8)),
                     clipfrac=up(rng.uniform(2, 3)))
     return _new_trace(rng, name, "I", "fire", f"I: plateau {plateau:.0f}, noise {cv:.0%}, drift from {d0}, surge "

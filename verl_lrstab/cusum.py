@@ -84,7 +84,7 @@ COSIGNAL_VOTES = 2  # this many risen co-signals confirm a surge; one alone (a g
 # A rebound whose score collapses is no rebound (v4): the score's latest observation at most this
 # share of its pre-alarm level, and COLLAPSE_Z x score_z noise units below it.
 COLLAPSE_SHARE = 0.6
-COLLAPSE_Z = 1.5
+COLLAPSE_Z = 1.0
 
 
 def _window(rows, lo: int, min_rows: int = MIN_ROWS) -> list[float]:
@@ -265,7 +265,7 @@ class CusumDetector:
             why = self._decide(step, {**self._refs(step, b), "z_factor": 1.5})
             fired = ((why == "score" and self.ratio >= half)
                      or (why in ("kl", "clip") and self.ratio >= half and min(fast, self.ratio * FAST_SLACK) >= self.min_rise)
-                     or (why == "cosignals" and fast >= half))
+                     or (why == "cosignals" and fast >= half and not self._rebound(step, b)))
         elif not fired:
             return False
         if fired:
@@ -372,7 +372,13 @@ class CusumDetector:
         """
         if (self._watch is None and self._cusum >= self.threshold / 2 and fast >= self.min_rise
                 and self._rebound(step, b, margin=None)):
-            self._watch = self._refs(step, b)
+            self._watch = w = self._refs(step, b)
+            # the score's noise over the baseline window alone: the 60 steps of the usual scale may
+            # hold the run's early climb (a trend, not noise), all the more in a sparse score
+            vals = self._ref(self._score, step - self.lag - self.span, step - self.lag)[2]
+            if vals:
+                local = _mad_scale(vals, median(vals))  # the MAD: a robust scale, the climb's rows are outliers
+                w["score_noise"] = max(min(w["score_noise"], local), 0.01 * abs(w["score_ref"]), 1e-3)
         w = self._watch
         if w is None:
             return False

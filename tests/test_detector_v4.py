@@ -1,0 +1,219 @@
+"""Detector v4 (issue 33): verl's co-signals (entropy, grad norm, KL loss, PPO clip fraction) and
+the rebound whose score collapses.
+
+Behaviour, not step numbers of a run: the pathological classes I, J fire within their onset's
+first steps (before the crash), K (a rebound whose score collapses) fires by its crash at the
+latest; the healthy twins L, M, N never fire in any log form; a sparse co-signal and the same
+forward-filled decide alike; each co-signal is optional.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.cusum import COSIGNALS, CusumDetector
+from verl_lrstab.runs import cosignal_columns, replay_with_cosignals
+from verl_lrstab.schedule import replay
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import phenomena  # noqa: E402
+
+logging.getLogger("verl_lrstab").setLevel(logging.ERROR)
+NAMES = {phenomena.ENTROPY: "entropy", phenomena.GRAD_NORM: "grad_norm", phenomena.KL_LOSS: "kl_loss",
+         phenomena.PG_CLIPFRAC: "pg_clipfrac"}
+
+
+def run(tr, score_form="dense", co_form="dense", every=4, drop=(), order="after", det=None):
+    """Feed a phenomena run: its score and co-signals in :func:`phenomena.sparse_score` forms; the firing steps."""
+    det = det or CusumDetector()
+    score = phenomena.sparse_score(tr.score, score_form, 10)
+    co = {NAMES[k]: phenomena.sparse_score(v, co_form, every) for k, v in tr.cosignals.items() if NAMES[k] not in drop}
+    fired = []
+    for i, s in enumerate(tr.steps):
+        figures = {k: v[i] for k, v in co.items()}
+        if order == "before":
+            det.observe(s, **figures)
+        if det.update(s, tr.length[i], score=score[i], kl=tr.k3[i], clip_ratio=tr.clip[i]):
+            fired.append(s)
+        if order == "after":
+            det.observe(s, **figures)
+    return fired
+
+
+FORMS = [("dense", "dense"), ("dense", "every"), ("dense", "filled"), ("every", "dense"), ("filled", "every"),
+         ("none", "dense"), ("none", "every")]
+
+
+FIRST_STEPS = {"I": 6, "J": 3, "K": 4}  # "the onset's first steps": I surges over 6-9 steps, J and K in 2-5
+
+
+def early_enough(tr, fired) -> bool:
+    """From the onset on, within its first steps (:data:`FIRST_STEPS`); K at most a step after its crash
+    (its score collapses in the very steps its length returns: a rule that waits for the score cannot be earlier)."""
+    if not fired:
+        return False
+    f = fired[0]
+    return tr.onset <= f <= tr.onset + FIRST_STEPS[tr.cls] and (tr.cls != "K" or f <= tr.crash + 1)
+
+
+@pytest.mark.parametrize("cls", "IJ")
+def test_v4_fires_within_the_onsets_first_steps_in_every_form(cls):
+    before = []
+    for tr in phenomena.traces(seeds=range(6), classes=cls):
+        assert tr.crash - tr.onset <= 10  # the shapes of issue 33: the crash comes within 10 steps
+        for score_form, co_form in FORMS:
+            fired = run(tr, score_form, co_form)
+            assert early_enough(tr, fired), (tr.name, score_form, co_form, fired, tr.onset, tr.crash, tr.doc)
+            before.append(fired[0] < tr.crash)
+    # before the crash in most runs (a crash 2-3 steps after the onset leaves no room in a few)
+    assert sum(before) >= 0.75 * len(before), sum(before)
+
+
+def test_v4_is_earlier_than_the_length_and_score_alone_on_the_drift_then_surge():
+    # the bf16 GRPO runs of issue 33: the co-signals confirm without waiting for the score to fall
+    gains = []
+    for tr in phenomena.traces(seeds=range(8), classes="I"):
+        with_co, without = run(tr), run(tr, drop=tuple(NAMES.values()))
+        assert early_enough(tr, with_co), (tr.name, with_co)
+        gains.append((without[0] if without else tr.crash + 10) - with_co[0])
+    assert min(gains) >= 0 and sorted(gains)[len(gains) // 2] >= 1, gains
+
+
+def test_a_rebound_whose_score_collapses_fires_and_one_whose_score_holds_does_not():
+    checked = False
+    for tr in phenomena.traces(seeds=range(6), classes="K"):
+        assert early_enough(tr, run(tr)), (tr.name, run(tr), tr.onset, tr.crash)
+        # sparse or forward-filled score: seen at its next row, the same decision either way
+        sparse, filled = run(tr, "every"), run(tr, "filled")
+        assert sparse == filled and sparse and sparse[0] >= tr.onset, (tr.name, sparse, filled)
+        # the same length with a score that holds its level: a rebound (v3), no surge
+        held = tr.score.copy()
+        held[tr.onset - 5:] = np.round(np.clip(np.median(tr.score[tr.onset - 30:tr.onset])
+                                               + 0.03 * np.random.default_rng(1).standard_normal(len(held) - tr.onset + 5),
+                                               0, 1), 4)
+        calm = phenomena.Trace(**{**tr.__dict__, "score": held})
+        if np.median(tr.length[tr.onset + 5:tr.onset + 15]) < 1.2 * np.median(tr.length[:8]):
+            checked = True  # back below the early high (a return above 1.3x it is no rebound, as in v3)
+            assert run(calm) == [], (tr.name, run(calm))
+    assert checked
+
+
+@pytest.mark.parametrize("cls", "LMN")
+def test_v4_never_fires_on_the_healthy_twins_in_any_form(cls):
+    for tr in phenomena.traces(seeds=range(8), classes=cls):
+        for score_form, co_form in FORMS:
+            assert run(tr, score_form, co_form) == [], (tr.name, score_form, co_form, tr.doc)
+
+
+@pytest.mark.parametrize("cls", "IJKLMN")
+def test_a_sparse_co_signal_and_the_same_forward_filled_decide_alike(cls):
+    for tr in phenomena.traces(seeds=range(3), classes=cls):
+        for every in (2, 4, 5):
+            assert run(tr, co_form="every", every=every) == run(tr, co_form="filled", every=every), (tr.name, every)
+
+
+def test_feeding_the_co_signals_before_or_after_the_length_decides_alike():
+    # the trainer has an update's figures after its LR step, a replay has them on the row: same decisions
+    for tr in phenomena.traces(seeds=range(2), classes="IJM"):
+        assert run(tr, order="before") == run(tr, order="after"), tr.name
+
+
+def test_each_co_signal_is_optional():
+    for tr in phenomena.traces(seeds=range(4), classes="I"):
+        for name in NAMES.values():
+            assert early_enough(tr, run(tr, drop=(name,))), (tr.name, name)
+    # none of them: the detector is v3.1 (A-H carry none and decide as before)
+    for tr in phenomena.traces(seeds=range(2), classes="AIJ"):
+        det = CusumDetector()
+        plain = [s for i, s in enumerate(tr.steps)
+                 if det.update(s, tr.length[i], score=tr.score[i], kl=tr.k3[i], clip_ratio=tr.clip[i])]
+        assert run(tr, drop=tuple(NAMES.values())) == plain, tr.name
+
+
+def _flat_run(n=120, at=80, spike=None, entropy_up=False, seed=0):
+    """A flat length with one 1.5x step up at ``at``, a flat score; co-signals flat but for the asked ones."""
+    rng = np.random.default_rng(seed)
+    det, fired = CusumDetector(), []
+    for s in range(1, n + 1):
+        length = 300 * (1.5 if s >= at else 1.0) * (1 + 0.05 * rng.standard_normal())
+        grad = 0.3 * (6.0 if spike and spike[0] <= s <= spike[1] else 1.0) * (1 + 0.1 * rng.standard_normal())
+        entropy = 0.4 * (1.3 if entropy_up and s >= at - 3 else 1.0) * (1 + 0.02 * rng.standard_normal())
+        if det.update(s, length, score=0.6 + 0.02 * rng.standard_normal()):
+            fired.append(s)
+        det.observe(s, grad_norm=grad, entropy=entropy, kl_loss=2e-3 * (1 + 0.05 * rng.standard_normal()))
+    return fired
+
+
+def test_one_risen_co_signal_never_confirms_two_do():
+    assert _flat_run(spike=(76, 90)) == []  # a grad-norm spike alone: a healthy update, the length is held
+    fired = _flat_run(spike=(76, 90), entropy_up=True)  # with the entropy up too: a surge, at its first steps
+    assert fired and 80 <= fired[0] <= 83, fired
+
+
+def test_the_state_round_trips_mid_surge_and_a_v3_checkpoint_still_loads():
+    (tr,) = phenomena.traces(seeds=[0], classes="I")
+    whole = run(tr)
+    det = CusumDetector()
+    cut = tr.onset + 1
+    first = run(phenomena.Trace(**{**tr.__dict__, "length": tr.length[:cut], "score": tr.score[:cut],
+                                   "k3": tr.k3[:cut], "clip": tr.clip[:cut],
+                                   "cosignals": {k: v[:cut] for k, v in tr.cosignals.items()}}), det=det)
+    state = det.state_dict()
+    resumed = CusumDetector()
+    resumed.load_state_dict(state)
+    rest = []
+    for i, s in enumerate(tr.steps):
+        if s <= cut:
+            continue
+        if resumed.update(s, tr.length[i], score=tr.score[i], kl=tr.k3[i], clip_ratio=tr.clip[i]):
+            rest.append(s)
+        resumed.observe(s, **{NAMES[k]: v[i] for k, v in tr.cosignals.items()})
+    assert first + rest == whole
+    old = {k: v for k, v in state.items() if k not in ("co", "watch", "cosignals_up")}  # written by v3.1
+    legacy = CusumDetector()
+    legacy.load_state_dict(old)
+    assert all(rows == [] for rows in legacy._co.values())
+
+
+def test_an_unknown_co_signal_is_refused_by_name():
+    with pytest.raises(ValueError, match="entropy"):
+        CusumDetector().observe(3, entropie=0.4)
+    assert set(COSIGNALS) == {"entropy", "grad_norm", "kl_loss", "pg_clipfrac"}
+
+
+def test_replay_reads_the_co_signals_verl_logs_and_a_length_surge_run_as_its_trainer_fed_it():
+    (tr,) = phenomena.traces(seeds=[1], classes="J")
+    df = pd.DataFrame(tr.columns(), index=pd.Index(tr.steps, name="step"))
+    assert cosignal_columns(df) == {"entropy": "actor/entropy", "grad_norm": "actor/grad_norm",
+                                    "kl_loss": "actor/kl_loss", "pg_clipfrac": "actor/pg_clipfrac"}
+    cols = {k: df[c].tolist() for k, c in cosignal_columns(df).items()}
+    kw = dict(score=tr.score.tolist(), clip_ratio=tr.clip.tolist())
+    with_co = replay_with_cosignals(tr.steps, tr.length.tolist(), LengthSurgeConfig(), cosignals=cols, **kw)
+    assert with_co.surge_step == run(tr)[0] and tr.onset <= with_co.surge_step < tr.crash
+    plain = replay(tr.steps, tr.length.tolist(), LengthSurgeConfig(), **kw)
+    same = replay_with_cosignals(tr.steps, tr.length.tolist(), LengthSurgeConfig(), cosignals={}, **kw)
+    assert (same.surge_step, same.lr_scale) == (plain.surge_step, plain.lr_scale)
+    # a length_surge run: only what its trainer consumed (actor/lrstab/*), here none of v4's
+    ours = df.assign(**{"actor/lrstab/score": df[phenomena.SCORE]})
+    assert cosignal_columns(ours) == {}
+    assert cosignal_columns(ours.assign(**{"actor/lrstab/grad_norm": df[phenomena.GRAD_NORM]})) == {
+        "grad_norm": "actor/lrstab/grad_norm"}
+
+
+def test_lrstab_replay_feeds_them_from_a_log(tmp_path):
+    replay_mod = pytest.importorskip("verl_lrstab.cli.replay")
+    from verl_lrstab.runs import load_run
+
+    (tr,) = phenomena.traces(seeds=[1], classes="J")
+    path = phenomena.write(tr, tmp_path)
+    df = load_run(path)
+    result, _ = replay_mod.replay_run(df, phenomena.LENGTH, LengthSurgeConfig())
+    assert {"entropy", "grad_norm", "kl_loss", "pg_clipfrac"} <= set(result.cosignals)
+    assert result.surge_step == run(tr)[0]
