@@ -60,8 +60,14 @@ def test_sparse_or_few_checkpoints_give_a_warning_with_the_numbers(tmp_path):
 
 
 def test_the_checkpoint_is_the_newest_at_or_before_the_onset_minus_the_margin(tmp_path):
-    for step in (5, 10, 15, 20):
-        (tmp_path / f"global_step_{step}" / "actor").mkdir(parents=True)
+    for step in (5, 10, 15, 20):  # verl's layout, finished: one rank's shards, fsdp_config.json, data.pt, the tracker
+        actor = tmp_path / f"global_step_{step}" / "actor"
+        actor.mkdir(parents=True)
+        for prefix in ("model", "optim", "extra_state"):
+            (actor / f"{prefix}_world_size_1_rank_0.pt").write_bytes(b"x")
+        (actor / "fsdp_config.json").write_text('{"FSDP_version": 1, "world_size": 1}')
+        (actor.parent / "data.pt").write_bytes(b"x")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
     (tmp_path / "global_step_25").mkdir()  # a save cut off before its actor folder: not a checkpoint
     steps = checkpoint_steps(tmp_path)
     assert steps == [5, 10, 15, 20]
@@ -78,12 +84,18 @@ def records_of(**columns):
 
 def test_a_logged_non_finite_grad_norm_is_trouble_a_missing_one_is_not():
     gn = [1.0] * 6 + [None, float("nan")] + [1.0] * 4  # step 7 does not log it; step 8 logs NaN
-    t = find_trouble(records_of(**{"actor/grad_norm": gn, "response_length/mean": [100.0] * 12}), GuardOptions(),
-                     LengthSurgeConfig())
+    t = find_trouble(records_of(**{"actor/grad_norm": gn, "response_length/mean": [100.0] * 12}),
+                     GuardOptions(non_finite_steps=1), LengthSurgeConfig())
     assert t == Trouble("non_finite", 8, 8)
+    # by default a NaN must repeat on 2 consecutive steps (verl skips one bad update itself)
+    assert find_trouble(records_of(**{"actor/grad_norm": gn}), GuardOptions(), LengthSurgeConfig()) is None
+    gn2 = [1.0] * 6 + [float("nan"), None, float("nan"), float("inf")] + [1.0] * 2
+    assert find_trouble(records_of(**{"actor/grad_norm": gn2}), GuardOptions(), LengthSurgeConfig()) == \
+        Trouble("non_finite", 10, 9)
     assert find_trouble(records_of(**{"actor/grad_norm": gn}), GuardOptions(on_non_finite=False),
                         LengthSurgeConfig()) is None
-    assert find_trouble(records_of(**{"actor/grad_norm": gn}), GuardOptions(), LengthSurgeConfig(), after=8) is None
+    assert find_trouble(records_of(**{"actor/grad_norm": gn}), GuardOptions(non_finite_steps=1), LengthSurgeConfig(),
+                        after=8) is None
 
 
 def test_a_reward_crash_has_its_onset_at_the_peak():
@@ -92,6 +104,30 @@ def test_a_reward_crash_has_its_onset_at_the_peak():
     assert t.reason == "reward_crash" and t.onset <= 12 and t.step > t.onset
     # the 5-point rolling median falls below 0.6 x its peak there, not before
     assert find_trouble(records_of(**{"critic/score/mean": score[:13]}), GuardOptions(), LengthSurgeConfig()) is None
+
+
+def test_a_reward_crash_of_a_zero_centred_score_is_judged_above_its_floor():
+    # a +-1 reward: accuracy 0.44 -> 0.05 is the score -0.12 -> -0.9; verl's critic/score/min is -1
+    score = [-0.12] * 10 + [-0.9] * 6
+    t = find_trouble(records_of(**{"critic/score/mean": score, "critic/score/min": [-1.0] * 16}), GuardOptions(),
+                     LengthSurgeConfig())
+    assert t is not None and t.reason == "reward_crash" and 11 <= t.step <= 14
+    # a fall to 0.7 of the accuracy (0.44 -> 0.31: score -0.38) is above 0.6 of the height over the floor
+    mild = [-0.12] * 10 + [-0.38] * 6
+    assert find_trouble(records_of(**{"critic/score/mean": mild, "critic/score/min": [-1.0] * 16}), GuardOptions(),
+                        LengthSurgeConfig()) is None
+
+
+def test_the_compounded_rule_starts_one_decay_below_the_one_in_force():
+    from verl_lrstab.guard.plan import compounded_rule, halvings_in_force
+
+    assert compounded_rule(20, 18, 0) == (20, 18)
+    start, period = compounded_rule(20, 18, 1)  # 1 decay in force at 20: the next update runs at gamma ** 2
+    assert expected_scale(21, start, period) == 0.25 and period == 18 and start == 2
+    start, period = compounded_rule(8, 18, 2)  # too early a checkpoint for the origin: the period shortens
+    assert expected_scale(9, start, period) == 0.125 and start >= 0
+    assert halvings_in_force(20, {}, (8, 18)) == 1
+    assert halvings_in_force(20, {20: {"actor/lrstab/lr_scale": 0.25}}, (8, 18)) == 2  # the run's own decay
 
 
 @pytest.mark.parametrize("seed", range(3))

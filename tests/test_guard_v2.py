@@ -215,3 +215,72 @@ def test_failed_resumes_are_bounded(tmp_path):
     res = run.guard("--max-resume-tries", "2", "--max-restarts", "0")
     assert res.returncode == 4
     assert [e["checkpoint_step"] for e in run.events("resume_failed")] == [12, 8]
+
+
+# -- (3) repeated trouble ----------------------------------------------------------------------------
+def test_a_second_rollback_compounds_and_skip_batches_moves_past_the_bad_batches(tmp_path):
+    # batches 9 and 10 give NaN (steps 10-11 of the first launch): verl's dataloader replays them from
+    # the checkpoint at step 8, so without --skip-batches the NaN recurs and the guard rolls back again
+    run = Run(tmp_path, {"nan_batches": [9, 10]}, steps=24)
+    res = run.guard("--max-rollbacks", "2")
+    assert res.returncode == 3, res.stderr  # replayed twice, then gave up
+    first, second = run.events("rollback")
+    assert first["checkpoint_step"] == second["checkpoint_step"] == 8
+    # the segments abandoned at rollback 1 (the first launch) and 2 (the launch after rollback 1), then the final one
+    launch1, launch2 = (read_metrics(Path(rb["abandoned_metrics"])) for rb in (first, second))
+    launch3 = run.final()
+    assert launch1[8]["actor/lr"] == pytest.approx(LR0)  # the LR in force at the checkpoint
+    assert launch2[9]["actor/lr"] == pytest.approx(0.5 * LR0)  # rollback 1: x gamma
+    assert launch3[9]["actor/lr"] == pytest.approx(0.25 * LR0)  # rollback 2 to the same point: below rollback 1's
+
+    run2_dir = tmp_path / "skip"
+    run2_dir.mkdir()
+    run2 = Run(run2_dir, {"nan_batches": [9, 10]}, steps=24)
+    res = run2.guard("--skip-batches", "4")
+    assert res.returncode == 0, res.stderr
+    (rb,) = run2.events("rollback")
+    final = run2.final()
+    assert final[9]["data/batch_index"] == 8 + 4  # the resumed run starts 4 batches past the checkpoint's position
+    assert all(final[s]["actor/grad_norm"] == 1.0 for s in range(9, 25))
+
+
+def test_a_second_rollback_after_a_later_checkpoint_is_below_the_lr_in_force_there(tmp_path):
+    # rollback 1 at step 8 (NaN at 10-11); the rule halves from 9, then every 18; rollback 2 (NaN at 22-23 of
+    # launch 2) to the checkpoint at 20, where the LR in force is 0.5 x: the next update runs at <= 0.25 x
+    run = Run(tmp_path, {"nan_at": {"1": [10, 11], "2": [22, 23]}}, steps=30)
+    res = run.guard()
+    assert res.returncode == 0, res.stderr
+    first, second = run.events("rollback")
+    assert (first["checkpoint_step"], second["checkpoint_step"]) == (8, 20)
+    final = run.final()
+    in_force = final[20]["actor/lr"]
+    assert in_force == pytest.approx(LR0 * expected_scale(20, first["decay_from_step"], first["decay_period"]))
+    assert final[21]["actor/lr"] <= 0.5 * in_force * (1 + 1e-9)
+    assert final[21]["actor/lr"] < in_force
+
+
+def test_one_non_finite_step_is_verls_skipped_update_two_roll_back(tmp_path):
+    run = Run(tmp_path, {"nan_at": {"1": [10]}})
+    assert run.guard().returncode == 0 and not run.events("rollback")
+    run2_dir = tmp_path / "two"
+    run2_dir.mkdir()
+    run2 = Run(run2_dir, {"nan_at": {"1": [10]}})
+    assert run2.guard("--non-finite-steps", "1").returncode == 0
+    (rb,) = run2.events("rollback")
+    assert rb["reason"] == "non_finite" and rb["onset_step"] == 10 and rb["checkpoint_step"] == 8
+
+
+def test_a_plus_minus_one_reward_whose_accuracy_falls_is_a_crash(tmp_path):
+    # accuracy 0.44 -> 0.05 from step 10: the score -0.12 -> -0.9, never positive
+    run = Run(tmp_path, {"score": "pm1"}, steps=24)
+    res = run.guard("--max-rollbacks", "0")
+    assert res.returncode == 3
+    (crash,) = run.events("reward_crash")
+    assert 10 <= crash["step"] <= 14 and crash["onset_step"] < 10
+
+
+def test_remote_checkpoints_are_refused_with_a_message(tmp_path):
+    run = Run(tmp_path, {}, extra=["trainer.default_hdfs_dir=hdfs://x/ckpt"])
+    res = run.guard()
+    assert res.returncode == 2 and "trainer.default_hdfs_dir=hdfs://x/ckpt" in res.stderr
+    assert not (tmp_path / "launches.txt").exists()  # refused before verl starts

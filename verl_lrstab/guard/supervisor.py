@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from verl_lrstab.runs import read_metrics
+from verl_lrstab.schedule import num_decays
 from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, checkpoint_steps, choose_checkpoint,
                                     compounded_rule, decay_period_for, find_trouble, halvings_in_force, plan_run,
                                     read_tracker, rollback_overrides, step_folders, write_tracker)
@@ -356,6 +357,9 @@ class Guard:
         alive = [r for r in st["rules"] if r["checkpoint_step"] < ckpt]  # the rules of the kept trajectory
         in_force = (alive[-1]["decay_from_step"], alive[-1]["decay_period"]) if alive else None
         n = halvings_in_force(ckpt, records, in_force, self.plan.length_surge.gamma)
+        if st["rules"]:  # and below the rule of the segment that failed, at the same update (a replay compounds)
+            last = st["rules"][-1]
+            n = max(n, num_decays(ckpt + 1, last["decay_period"], "surge", last["decay_from_step"]))
         start, p = compounded_rule(ckpt, period, n)
         rule = {"checkpoint_step": ckpt, "decay_from_step": start, "decay_period": p, "halvings": n, "base_period": period,
                 "attempt": st["attempt"], "skip_batches": self.options.skip_batches}
