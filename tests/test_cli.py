@@ -433,3 +433,19 @@ def test_compare_says_why_the_validation_columns_are_empty(tmp_path, capsys):
     code, out, err = run_cli("compare", trace, "--out", tmp_path / "cmp", capsys=capsys)
     assert code == 0
     assert "A_s0: no validation metric logged" in err and "--metric val=NAME" in err
+
+
+def test_importing_the_plots_leaves_the_matplotlib_backend_alone(tmp_path):
+    # a notebook's or a GUI's backend must survive `import verl_lrstab.plots`; the PNGs are written anyway
+    import subprocess
+    import sys
+
+    code = ("import matplotlib; matplotlib.use('svg'); import pandas as pd; from verl_lrstab import plots; "
+            "import sys; print(matplotlib.get_backend()); "
+            "plots.plot_curves([plots.Curve('a', pd.Series([1.0, 2.0], index=[1, 2]))], 't', 'y', sys.argv[1]); "
+            "print('pyplot' if 'matplotlib.pyplot' in sys.modules else 'no pyplot')")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.png")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["svg", "no", "pyplot"]
+    assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

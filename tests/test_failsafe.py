@@ -10,6 +10,7 @@ naming ``length_surge`` fails at config time with that cause.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -50,8 +51,12 @@ if ATTR != "FSDPOptimizerConfig":  # verl's own modules import that name: a real
 else:
     impl = workers = None
 from verl.workers.config.optimizer import FSDPOptimizerConfig as VerlOwn
+from verl.workers.config import optimizer as verl_optimizer
 
 out = {{"imports": True}}
+# verl's own optimizer-config classes are never patched after a failure (only when the glue itself is absent)
+out["verl_classes_patched"] = [n for n, c in vars(verl_optimizer).items() if isinstance(c, type)
+                               and getattr(c.__dict__.get("__init__"), "_lrstab_guard", False)]
 out["stock_ok"] = VerlOwn(lr=1e-6, lr_scheduler_type="cosine").lr_scheduler_type == "cosine"
 cls = getattr(verl.workers.config, "FSDPOptimizerConfig", VerlOwn)
 out["stock_via_verl_name_ok"] = cls(lr=1e-6).lr_scheduler_type == "constant"
@@ -76,6 +81,8 @@ CASES = {
     "signature of train_mini_batch": ("verl.workers.engine_workers", "TrainingWorker", "train_mini_batch",
                                       "signature"),
 }
+#: a refusal's target reshaped: that refusal is disabled with one ERROR, length_surge stays usable
+REFUSAL_CASE = ("verl.workers.config.critic", "CriticConfig", "__post_init__", "signature")
 
 
 def run_case(module, owner, attr, mode):
@@ -94,10 +101,14 @@ def test_a_renamed_or_reshaped_target_leaves_verl_working_and_refuses_length_sur
     target = ".".join(p for p in (module, owner, attr) if p)
 
     assert result["imports"] and result["stock_ok"] and result["stock_via_verl_name_ok"], result
+    assert result["verl_classes_patched"] == [], result  # verl's own classes stay as verl wrote them
     # one loud error naming the target and verl's version
     errors = [line for line in stderr.splitlines() if "verl-lrstab: cannot use" in line]
     assert len(errors) == 1, stderr[-3000:]
     assert f"cannot use {target} with verl 0.9.1: " in errors[0], errors
+    if attr == "FSDPOptimizerConfig":  # no class of ours in place: verl's own refuses the name (its assertion)
+        assert result["verl_own"].startswith("AssertionError") and result["verl_name"].startswith("AssertionError")
+        return
     # a length_surge config fails at config time with that cause, through either class name
     for name in ("verl_name", "verl_own"):
         message = result[name]
@@ -110,6 +121,17 @@ def test_a_renamed_or_reshaped_target_leaves_verl_working_and_refuses_length_sur
         assert result["engine_wrapped"] and not result["worker_wrapped"]
     if attr == "_build_lr_scheduler":
         assert result["worker_wrapped"] and not result["engine_wrapped"]
+
+
+def test_a_refusal_that_cannot_be_installed_disables_that_refusal_not_length_surge():
+    result, stderr = run_case(*REFUSAL_CASE)
+    assert result["imports"] and result["stock_ok"], result
+    errors = [line for line in stderr.splitlines() if "verl-lrstab: cannot" in line]
+    assert len(errors) == 1, stderr[-3000:]
+    assert ("cannot install the refusal of length_surge at verl.workers.config.critic.CriticConfig.__post_init__ "
+            "with verl 0.9.1") in errors[0] and "critic.optim.lr_scheduler_type for the critic" in errors[0], errors
+    assert result["verl_name"] == result["verl_own"] == "no error", result  # the FSDP actor still takes it
+    assert result["verl_classes_patched"] == [], result
 
 
 def test_untouched_verl_has_no_error_and_accepts_length_surge():
@@ -172,8 +194,9 @@ def test_wrappers_pass_new_verl_keywords_through():
 
 
 @pytest.mark.parametrize("wrap", registry.WRAPS, ids=lambda w: w.target)
-def test_every_registered_wrap_is_fail_safe_when_its_target_is_gone(wrap, monkeypatch):
-    # Each target of the registry, missing: apply() reports it and raises nothing.
+def test_every_registered_wrap_is_fail_safe_when_its_target_is_gone(wrap, monkeypatch, caplog):
+    # Each target of the registry, missing: apply() reports it and raises nothing; a refusal's only
+    # disables that refusal (one ERROR), a required one refuses length_surge.
     monkeypatch.setattr(failsafe, "FAILURES", [])
     monkeypatch.setattr(failsafe, "_guard_armed", True)  # do not guard this test process's config classes
     module = type(sys)(wrap.module)
@@ -184,7 +207,13 @@ def test_every_registered_wrap_is_fail_safe_when_its_target_is_gone(wrap, monkey
             owner = getattr(owner, part)
         if wrap.attribute.startswith("__"):  # every class has __init__/__post_init__ of some kind: not verl's
             setattr(owner, wrap.attribute, None)
+    caplog.set_level(logging.ERROR, logger="verl_lrstab")
     assert wraps.apply(wrap, module) is False
+    if not wrap.required:
+        assert failsafe.FAILURES == []
+        failsafe.check_usable()  # length_surge stays usable
+        assert caplog.text.count("cannot install the refusal") == 1 and wrap.target in caplog.text
+        return
     assert [target for target, _ in failsafe.FAILURES] == [wrap.target]
     with pytest.raises(failsafe.GlueUnavailable, match="length_surge cannot be used"):
         failsafe.check_usable()

@@ -15,7 +15,6 @@ from verl_lrstab.mismatch import (
     TAIL_EDGES,
     TAIL_LABELS,
     all_reduce_or_none,
-    all_reduce_stats,
     compute_stats,
     finalize,
     mismatch_metrics,
@@ -268,7 +267,6 @@ def _dp_worker(rank, world_size, init_file, out_file):
     old, roll, mask = _batch(bs=9, scale=0.4)
     rows = [slice(0, 4), slice(4, 9), slice(9, 9)][rank]  # rank 2 holds no sequence at all
     local = compute_stats(old[rows], roll[rows], mask[rows])
-    stats = all_reduce_stats(local.clone())
     n = len(STAT_FIELDS)
     or_none = all_reduce_or_none(local, n, n_max=1)
     # one rank that cannot measure: every rank gets None, not a partial figure
@@ -276,7 +274,7 @@ def _dp_worker(rank, world_size, init_file, out_file):
     assert one_missing is None, (rank, one_missing)
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"all_reduce_stats": finalize(stats), "all_reduce_or_none": finalize(or_none)}, f)
+            json.dump({"all_reduce_or_none": finalize(or_none)}, f)
     dist.destroy_process_group()
 
 
@@ -285,15 +283,12 @@ def test_all_reduce_over_a_real_gloo_group(tmp_path):
     mp.spawn(_dp_worker, args=(3, str(tmp_path / "init"), str(out)), nprocs=3, join=True)
     old, roll, mask = _batch(bs=9, scale=0.4)
     got = json.loads(out.read_text())
-    for name in ("all_reduce_stats", "all_reduce_or_none"):
-        _assert_same(got[name], mismatch_metrics(old, roll, mask), rel=1e-12)
+    _assert_same(got["all_reduce_or_none"], mismatch_metrics(old, roll, mask), rel=1e-12)
 
 
 def test_all_reduce_is_a_noop_without_a_process_group():
     old, roll, mask = _batch()
     stats = compute_stats(old, roll, mask)
-    assert torch.equal(all_reduce_stats(stats.clone()), stats)
-    assert all_reduce_stats(None) is None
     assert torch.equal(all_reduce_or_none(stats, len(STAT_FIELDS), n_max=1), stats.double())
     assert all_reduce_or_none(None, len(STAT_FIELDS), n_max=1) is None
 

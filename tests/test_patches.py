@@ -59,7 +59,12 @@ def test_v1_driver_wrap_tags_the_step_position_and_pre_rejection_stats(mode, is_
     config = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "length_surge"}}},
                                "trainer": {"use_v1": True, "v1": {"trainer_mode": mode}},
                                "data": {"max_response_length": 96}})
-    trainer = SimpleNamespace(config=config, parameter_sync_step=4, local_trigger_step=2)
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    cls = get_trainer_cls(mode)
+    trainer = cls.__new__(cls)  # verl's class; its run-level checks are in tests/test_glue_trainers.py
+    trainer.config, trainer.parameter_sync_step, trainer.local_trigger_step = config, 4, 2
+    driver._checked[trainer] = driver.run_is_async(config, cls)  # what check_run records, by class
     driver._run.pre_rs = [1.0, 2.0]
     wrapper(trainer, SimpleNamespace(extra_info={"epochs": 1}), {})
     assert seen == [{"epochs": 1, STEP_POSITION_KEY: [2, 4, is_async, 96], PRE_RS_STATS_KEY: [1.0, 2.0]}]

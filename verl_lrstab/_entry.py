@@ -4,7 +4,8 @@ Nothing here may break a verl run, and verl logs a failing plugin at DEBUG only.
 module the glue needs is imported here one by one; one that fails is reported by name
 (:func:`verl_lrstab.glue.failsafe.report_failure`: one ERROR naming verl's version and the
 cause, verl's own code left in place, ``length_surge`` refused in this process), and the
-glue is installed (:func:`verl_lrstab.glue.registry.install`). Runs that do not name
+glue is installed (:func:`verl_lrstab.glue.registry.install`). Only if the glue itself cannot
+be installed are verl's optimizer configs guarded (:func:`verl_lrstab.glue.failsafe.arm_guard`). Runs that do not name
 ``length_surge`` are untouched: the wrappers call verl's own functions for them.
 """
 
@@ -16,7 +17,7 @@ PACKAGE_MODULES = ("verl_lrstab.config", "verl_lrstab.detector", "verl_lrstab.cu
 
 
 def load() -> None:
-    from verl_lrstab.glue.failsafe import report_failure  # stdlib only: works whatever else is broken
+    from verl_lrstab.glue.failsafe import arm_guard, report_failure  # stdlib only: works whatever else is broken
 
     causes: set = set()  # modules importing a broken one fail with its error: report the first only
 
@@ -36,6 +37,7 @@ def load() -> None:
         registry.install()
     except Exception as exc:  # noqa: BLE001
         report("verl_lrstab.glue (the glue itself)", exc)
+        arm_guard()  # no wrap of ours is in place: only a guard on verl's config classes can refuse
 
 
 load()

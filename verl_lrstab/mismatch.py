@@ -18,8 +18,9 @@ Per response token (inside the response mask), with
 ==============================  ============================================================
 
 Designed for data parallelism: :func:`compute_stats` turns one rank's batch into one small
-float64 tensor of sums and counts (plus the max), :func:`all_reduce_stats` reduces it over the
-DP group (SUM, then MAX for the max), :func:`finalize` turns it into the dict above. All
+float64 tensor of sums and counts (plus the max), :func:`all_reduce_or_none` reduces it over the
+DP group (SUM, then MAX for the max; every rank calls it, a rank that cannot measure with None),
+:func:`finalize` turns it into the dict above. All
 means are token- (or sequence-) weighted over the whole global batch.
 
 Layouts: padded ``(bs, T)`` tensors (verl's V0 trainer, and the driver in V1), verl's jagged
@@ -62,7 +63,6 @@ __all__ = [
     "TAIL_EDGES",
     "TAIL_LABELS",
     "compute_stats",
-    "all_reduce_stats",
     "all_reduce_or_none",
     "collective_device",
     "finalize",
@@ -123,7 +123,7 @@ def compute_stats(
     Returns:
         A ``(len(STAT_FIELDS),)`` float64 tensor on the inputs' device, or None.
         A batch with no response token gives zeros (not None), so every DP rank still joins
-        the collective in :func:`all_reduce_stats`.
+        the collective in :func:`all_reduce_or_none`.
 
     One elementwise pass: beyond the inputs it allocates two float tensors of the input size
     (``d`` and ``|d|``, the latter reused for k3), the int64 decade index of ``|d|`` (the tail
@@ -164,29 +164,6 @@ def compute_stats(
     parts = (sum_k1, sum_k3, n_tokens, n_seqs, n_over, n_mask - n_tokens)
     return torch.cat([torch.stack([p.to(torch.float64) for p in parts]), n_over_edges.to(torch.float64),
                       max_abs.to(torch.float64).reshape(1)])
-
-
-def all_reduce_stats(stats: Optional[torch.Tensor], group=None) -> Optional[torch.Tensor]:
-    """Reduce :func:`compute_stats`'s tensor over a process group, in place: SUM, then MAX.
-
-    Every rank of ``group`` must call it (with a tensor: a rank without response tokens has
-    zeros). A no-op when ``torch.distributed`` is not initialised or ``stats`` is None.
-
-    Args:
-        stats: the tensor from :func:`compute_stats`.
-        group: the data-parallel group (verl: ``engine.get_data_parallel_group()``); None is
-            the default group.
-
-    Returns:
-        ``stats``, now global.
-    """
-    if stats is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return stats
-    # Two collectives on views of one small tensor: cheaper to reason about than packing
-    # the max into a sum (it is not expressible as one).
-    torch.distributed.all_reduce(stats[:_N_SUM], op=torch.distributed.ReduceOp.SUM, group=group)
-    torch.distributed.all_reduce(stats[_N_SUM:], op=torch.distributed.ReduceOp.MAX, group=group)
-    return stats
 
 
 def collective_device(group=None) -> torch.device:
@@ -235,7 +212,7 @@ def finalize(stats: Optional[torch.Tensor], prefix: str = "mismatch/") -> Option
     """Turn (global) stats into the ``mismatch/*`` figures.
 
     Args:
-        stats: the tensor from :func:`compute_stats` (after :func:`all_reduce_stats` for DP).
+        stats: the tensor from :func:`compute_stats` (after :func:`all_reduce_or_none` for DP).
         prefix: key prefix. Default ``"mismatch/"``.
 
     Returns:

@@ -1,4 +1,9 @@
-"""Matplotlib figures shared by ``lrstab`` and the scripts (headless: the Agg backend)."""
+"""Matplotlib figures shared by ``lrstab`` and the scripts.
+
+Drawn on :class:`matplotlib.figure.Figure` objects, never through pyplot, so importing this module
+neither picks nor changes the process's matplotlib backend (a notebook's or a GUI's stays) and
+works on a node without a display: a PNG is written by the Agg canvas whatever the backend.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display on training nodes; must precede pyplot
-import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.figure import Figure
 
 
 @dataclass
@@ -57,7 +59,8 @@ def plot_curves(curves: Sequence[Curve], title: str, ylabel: str, path: str | Pa
     Returns:
         The path written.
     """
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     for i, c in enumerate(curves):
         color = f"C{i % 10}"
         style = "o-" if len(c.series) < 30 else "-"  # sparse logs: show the points
@@ -91,7 +94,8 @@ def plot_replay(values: pd.Series, steps: Sequence[int], lr_scale: Sequence[floa
     Returns:
         The path written.
     """
-    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    fig = Figure(figsize=(8, 6))
+    ax, ax_lr = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     style = "o-" if len(values) < 30 else "-"
     ax.plot(values.index, values.values, style, lw=1.2, ms=3, label=metric)
     ax.plot(steps, baseline, color="gray", lw=1, label="detector baseline")
@@ -111,7 +115,6 @@ def _save(fig, path) -> Path:
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -126,7 +129,8 @@ def plot_survival(curves, title: str, xlabel: str, ylabel: str, path: str | Path
     Returns:
         The path written.
     """
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for label, points in curves:
         xs, ys = zip(*points)
         ax.plot(xs, ys, "o-", label=label)
@@ -141,5 +145,13 @@ def plot_survival(curves, title: str, xlabel: str, ylabel: str, path: str | Path
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
+
+
+def __getattr__(name: str):
+    """``plots.plt``: pyplot, imported on first use (the repro scripts draw with it), backend untouched."""
+    if name == "plt":
+        import matplotlib.pyplot as plt
+
+        return plt
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

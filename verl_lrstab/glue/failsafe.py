@@ -6,10 +6,12 @@ the target and the cause; verl's own code stays in place, so runs that do not na
 ``length_surge`` are unaffected; and a run that names ``length_surge`` is refused from then
 on (:func:`check_usable`, called by the glue wherever such a run is configured or built).
 
-Where even the glue's config classes are not in place (the glue itself failed to load), a
-guard on verl's own optimizer-config dataclasses refuses ``length_surge`` with the cause
-(:func:`arm_guard`). This module imports nothing of the package, so it works whatever else
-of it is broken.
+Only where the glue itself could not be installed (``verl_lrstab._entry`` found the registry
+broken: no wrap of ours is in place to refuse anything) does a guard on verl's own
+optimizer-config dataclasses refuse ``length_surge`` with the cause (:func:`arm_guard`); after
+any other failure verl's classes stay as verl wrote them and the glue's own wraps refuse. A
+refusal that cannot be installed (:func:`report_refusal_failure`) disables that refusal only.
+This module imports nothing of the package, so it works whatever else of it is broken.
 """
 
 from __future__ import annotations
@@ -43,7 +45,14 @@ def report_failure(target: str, cause: BaseException) -> None:
     logger.error("verl-lrstab: cannot use %s with verl %s: %r. verl's own code stays in place, so runs that do not "
                  "name length_surge are unaffected; a run with %s=%s is refused before it trains.",
                  target, verl_version(), cause, OPTIM_KEY, SCHEDULER_NAME)
-    arm_guard()
+
+
+def report_refusal_failure(target: str, cause: BaseException, where: str = "") -> None:
+    """A refusal (a wrap that only refuses ``length_surge`` somewhere it is never fed) could not be installed:
+    one ERROR; that refusal is off, ``length_surge`` on the supported paths is not affected."""
+    logger.error("verl-lrstab: cannot install the refusal of %s at %s with verl %s: %r. That refusal is disabled: "
+                 "naming length_surge %s is no longer refused (it would never be fed); the supported paths and "
+                 "stock runs are unaffected.", SCHEDULER_NAME, target, verl_version(), cause, where or "there")
 
 
 def failure_message() -> str:
@@ -67,8 +76,9 @@ def check_usable() -> None:
 def arm_guard() -> None:
     """Make every verl optimizer config that names ``length_surge`` raise :func:`failure_message`.
 
-    Needed only where the glue's own config classes are not in place; where they are, they
-    call :func:`check_usable` themselves (the guard then checks once more, harmlessly).
+    Armed by the entry point only when the glue itself could not be installed: then no wrap of
+    ours is in place, and verl's Megatron config would accept ``lr_decay_style: length_surge``
+    (megatron-core raises only after the warmup).
     """
     global _guard_armed
     if _guard_armed:

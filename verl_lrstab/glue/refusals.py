@@ -2,8 +2,9 @@
 
 Each refusal wraps the function where verl first sees the config there and raises
 :class:`LengthSurgeNotSupported` naming the key, the place and what is supported; any other
-value goes to verl's function untouched. A refusal that cannot be installed is reported like
-any wrap, but does not block the supported paths (its :class:`~.wraps.Wrap` is not required).
+value goes to verl's function untouched. A refusal that cannot be installed is one ERROR and
+disables that refusal only: it does not block the supported paths (its :class:`~.wraps.Wrap`
+is not required).
 """
 
 from __future__ import annotations
@@ -73,30 +74,32 @@ def _config_actor_optim(self, *args, **kwargs):
 
 ACTOR_KEY = "actor_rollout_ref.actor.optim.lr_scheduler_type"
 
+def refusal_wrap(module: str, owner: str, attribute: str, parameters: tuple, key: str, where: str,
+                 get: Callable) -> Wrap:
+    """The (not required) wrap of verl's ``module.owner.attribute`` refusing ``key=length_surge`` for ``where``."""
+    return Wrap(module, owner, attribute, parameters, refusal(key, where, get), required=False,
+                where=f"{key} for {where}")
+
+
 WRAPS = [
-    Wrap("verl.workers.config.optimizer", "VeOmniOptimizerConfig", "__post_init__", ("self",),
-         refusal(ACTOR_KEY, "the VeOmni engine (VeOmniOptimizerConfig)", _self_field), required=False),
-    Wrap("verl.workers.config.optimizer", "TorchtitanOptimizerConfig", "__init__", ("self",),
-         refusal(ACTOR_KEY, "the TorchTitan engine (TorchtitanOptimizerConfig has no lr_scheduler_type)", _kwarg),
-         required=False),
-    Wrap("verl.workers.config.critic", "CriticConfig", "__post_init__", ("self",),
-         refusal("critic.optim.lr_scheduler_type", "the critic (role critic, any engine)", _critic), required=False),
-    Wrap("verl.trainer.sft_trainer", "SFTTrainer", "_build_config", ("self",),
-         refusal("optim.lr_scheduler_type", "the SFT trainer (verl.trainer.sft_trainer)", _config_optim),
-         required=False),
-    Wrap("verl.trainer.sft_trainer_ray", "SFTTrainer", "_build_config", ("self",),
-         refusal("optim.lr_scheduler_type", "the SFT trainer (verl.trainer.sft_trainer_ray)", _config_optim),
-         required=False),
-    Wrap("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer.__ray_actor_class__",
-         "__init__", ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
-         refusal(ACTOR_KEY, "the fully-async trainer (verl.experimental.fully_async_policy)", _config_actor_optim),
-         required=False),
+    refusal_wrap("verl.workers.config.optimizer", "VeOmniOptimizerConfig", "__post_init__", ("self",), ACTOR_KEY,
+                 "the VeOmni engine (VeOmniOptimizerConfig)", _self_field),
+    refusal_wrap("verl.workers.config.optimizer", "TorchtitanOptimizerConfig", "__init__", ("self",), ACTOR_KEY,
+                 "the TorchTitan engine (TorchtitanOptimizerConfig has no lr_scheduler_type)", _kwarg),
+    refusal_wrap("verl.workers.config.critic", "CriticConfig", "__post_init__", ("self",),
+                 "critic.optim.lr_scheduler_type", "the critic (role critic, any engine)", _critic),
+    refusal_wrap("verl.trainer.sft_trainer", "SFTTrainer", "_build_config", ("self",), "optim.lr_scheduler_type",
+                 "the SFT trainer (verl.trainer.sft_trainer)", _config_optim),
+    refusal_wrap("verl.trainer.sft_trainer_ray", "SFTTrainer", "_build_config", ("self",), "optim.lr_scheduler_type",
+                 "the SFT trainer (verl.trainer.sft_trainer_ray)", _config_optim),
+    refusal_wrap("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer.__ray_actor_class__",
+                 "__init__", ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"), ACTOR_KEY,
+                 "the fully-async trainer (verl.experimental.fully_async_policy)", _config_actor_optim),
     # Its __init__ skips RayPPOTrainer.__init__ (the run's checks) and its rollout samples one policy
     # version back; no test here runs it (it needs a separate rollout pool): refused rather than guessed.
-    Wrap("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer", "__init__",
-         ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
-         refusal(ACTOR_KEY, "the one-step-off-policy trainer (verl.experimental.one_step_off_policy."
-                 "ray_trainer.OneStepOffRayTrainer: its rollout samples one policy version behind the trainer, and "
-                 "its __init__ skips RayPPOTrainer.__init__, where the run is checked)", _config_actor_optim),
-         required=False),
+    refusal_wrap("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer", "__init__",
+                 ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"), ACTOR_KEY,
+                 "the one-step-off-policy trainer (verl.experimental.one_step_off_policy.ray_trainer."
+                 "OneStepOffRayTrainer: its rollout samples one policy version behind the trainer, and its "
+                 "__init__ skips RayPPOTrainer.__init__, where the run is checked)", _config_actor_optim),
 ]

@@ -5,7 +5,7 @@ the moment its module is first imported. A :class:`Wrap` names the target, the s
 the other assumptions the wrapper relies on, and the factory of the wrapper. :func:`apply`
 checks the assumptions first: a target that is missing or has another shape, or a factory
 that raises, leaves verl's original in place and goes to
-:func:`verl_lrstab.glue.failsafe.report_failure`.
+:func:`verl_lrstab.glue.failsafe.report_failure` (a refusal's, to ``report_refusal_failure``).
 
 Every wrapper is built with :func:`dispatch`: it decides from verl's own arguments whether
 the run names ``length_surge`` and otherwise calls verl's original with the arguments
@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from verl_lrstab.glue.failsafe import report_failure
+from verl_lrstab.glue.failsafe import report_failure, report_refusal_failure
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -42,7 +42,9 @@ class Wrap:
         checks: ``checks(module, original) -> iterable of (assumption, ok, detail)``: the other
             assumptions the wrapper makes about verl's code (cheap: run at install time).
         also_in: further modules whose attribute of the same name is replaced as well.
-        required: a ``length_surge`` run cannot work without it (refusals are not required).
+        required: a ``length_surge`` run cannot work without it (refusals are not required: one
+            that cannot be installed is reported and disabled, ``length_surge`` stays usable).
+        where: what a refusal refuses, for the message when it cannot be installed.
     """
 
     module: str
@@ -53,6 +55,7 @@ class Wrap:
     checks: Optional[Callable[[Any, Any], Iterable[Check]]] = None
     also_in: tuple = ()
     required: bool = True
+    where: str = ""
 
     @property
     def target(self) -> str:
@@ -85,7 +88,10 @@ def apply(wrap: Wrap, module) -> bool:
         setattr(owner, wrap.attribute, replacement)
         return True
     except Exception as exc:  # noqa: BLE001 - never break verl's import; report and refuse length_surge
-        report_failure(wrap.target, exc)
+        if wrap.required:
+            report_failure(wrap.target, exc)
+        else:  # a refusal: only that refusal is lost
+            report_refusal_failure(wrap.target, exc, wrap.where)
         return False
 
 
