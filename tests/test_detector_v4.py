@@ -217,3 +217,74 @@ def test_lrstab_replay_feeds_them_from_a_log(tmp_path):
     result, _ = replay_mod.replay_run(df, phenomena.LENGTH, LengthSurgeConfig())
     assert {"entropy", "grad_norm", "kl_loss", "pg_clipfrac"} <= set(result.cosignals)
     assert result.surge_step == run(tr)[0]
+
+
+# -- the worker glue: verl's update figures reach the detector, identical on every rank ----------
+def _scheduler():
+    import torch
+
+    from verl_lrstab.scheduler import LengthSurgeLR
+
+    return LengthSurgeLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), LengthSurgeConfig())
+
+
+def _verl_output(metrics):
+    """What ``TrainingWorker.train_mini_batch`` returns on a source rank: the metrics, one value per mini-batch."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics})
+
+
+def test_the_worker_feeds_verls_update_figures_to_the_detector_and_logs_them():
+    from verl.utils import tensordict_utils as tu
+
+    from verl_lrstab.glue import signals
+
+    sched = _scheduler()
+    sched.pending_response_length = 300.0
+    sched.step()  # update 1 fed (what verl's engine does inside the update)
+    first = _verl_output({"grad_norm": [0.5, 0.7], "kl_loss": [2e-3, 4e-3], "actor/pg_clipfrac": [0.01, 0.03],
+                          "actor/pg_loss": [0.1, 0.2]})
+    assert signals.feed_update_figures(sched, first, last=False) is first  # an early update of the step: summed
+    second = _verl_output({"grad_norm": [float("nan"), 0.9], "actor/pg_clipfrac": [0.02]})  # a NaN norm: left out
+    out = signals.feed_update_figures(sched, second, last=True)
+    det = sched.schedule.detector
+    assert det._co["grad_norm"] == [[1, pytest.approx(0.7)]]  # (0.5 + 0.7 + 0.9) / 3, under the step just fed
+    assert det._co["kl_loss"] == [[1, pytest.approx(3e-3)]]
+    assert det._co["pg_clipfrac"] == [[1, pytest.approx(0.02)]] and det._co["entropy"] == []
+    metrics = tu.get(out, "metrics")
+    assert metrics["lrstab/grad_norm"] == [pytest.approx(0.7)] and "lrstab/entropy" not in metrics
+    # a rank without verl's output (not a model-parallel source rank) and none anywhere: nothing fed
+    assert signals.feed_update_figures(sched, None, last=True) is None
+    assert len(det._co["grad_norm"]) == 1
+
+
+def _glue_rank(rank, world_size, init_file, out_file):
+    import json
+
+    import torch.distributed as dist
+
+    from verl_lrstab.glue import signals
+
+    logging.getLogger("verl_lrstab").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    sched = _scheduler()
+    sched.pending_response_length = 300.0
+    sched.step()
+    # only rank 0 holds verl's metrics (a model-parallel source rank); already gathered over its DP group
+    output = _verl_output({"grad_norm": [0.4, 0.6], "kl_loss": [1e-3]}) if rank == 0 else None
+    signals.feed_update_figures(sched, output, last=True)
+    with open(f"{out_file}.{rank}", "w") as f:
+        json.dump(sched.schedule.detector._co, f)
+    dist.destroy_process_group()
+
+
+def test_the_update_figures_are_identical_on_every_rank_of_a_real_gloo_group(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_glue_rank, args=(3, str(tmp_path / "init"), str(tmp_path / "co")), nprocs=3, join=True)
+    got = [json.loads(Path(f"{tmp_path / 'co'}.{r}").read_text()) for r in range(3)]
+    assert got[0] == got[1] == got[2]
+    assert got[0]["grad_norm"] == [[1, pytest.approx(0.5)]] and got[0]["kl_loss"] == [[1, pytest.approx(1e-3)]]

@@ -8,6 +8,7 @@ if one rank cannot, no rank gets a figure, so every rank takes the same decision
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -193,3 +194,89 @@ def global_mismatch_stats(data, dp_group=None, pre_rejection_stats=None) -> Opti
 
 def has_rollout_log_probs(data) -> bool:
     return "rollout_log_probs" in data.keys()
+
+
+# -- detector v4's co-signals: what verl's own update logs (issue 33) --------------------------
+#: The figures of an actor update that ``detector: cusum`` reads, by co-signal, as keyed in the
+#: metrics ``TrainingWorker.train_mini_batch`` returns (the driver then prefixes ``actor/``).
+#: ``actor/entropy`` is not among them: verl computes it in the driver, from the old log-probs.
+UPDATE_FIGURES = {"grad_norm": "grad_norm", "kl_loss": "kl_loss", "pg_clipfrac": "actor/pg_clipfrac"}
+
+
+def _finite_values(value) -> list[float]:
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in _finite_values(item)]
+    try:
+        v = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError):
+        return []
+    return [v] if v == v and abs(v) != float("inf") else []
+
+
+def update_figure_stats(output) -> torch.Tensor:
+    """``[sum, count]`` per :data:`UPDATE_FIGURES` entry of one update's metrics (verl's values: one
+    per mini-batch, already gathered over the data-parallel group; the driver logs their mean).
+    A rank that returns no output (not a model-parallel source rank) or a metric not logged adds 0."""
+    metrics = {}
+    if output is not None:
+        from verl.utils import tensordict_utils as tu
+
+        metrics = tu.get(output, "metrics") or {}
+    stats = []
+    for key in UPDATE_FIGURES.values():
+        values = _finite_values(metrics.get(key, []))
+        stats += [sum(values), float(len(values))]
+    return torch.tensor(stats, dtype=torch.float64)
+
+
+class _StepFigures:
+    """The sums of one trainer step's updates (separate_async runs several), per scheduler."""
+
+    def __init__(self):
+        self.stats = torch.zeros(2 * len(UPDATE_FIGURES), dtype=torch.float64)
+        self.valid = True
+
+
+_step_figures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def feed_update_figures(scheduler, output, last: bool):
+    """Hand one update's grad norm, KL loss and PPO clip fraction to ``detector: cusum`` (v4).
+
+    Called on every rank after verl's update (a collective: every rank of the default group,
+    each update). Only the model-parallel source ranks hold verl's metrics, so they are summed
+    over the default group, not the data-parallel one, with the one convention of
+    :func:`verl_lrstab.mismatch.all_reduce_or_none`: every rank gets the same figures or none.
+    On the trainer step's last update their means are observed by the detector under the step
+    just fed (it reads them from the next step on: :meth:`verl_lrstab.cusum.CusumDetector.observe`)
+    and logged as ``lrstab/<name>`` (``actor/lrstab/<name>`` in verl's log, what ``lrstab replay``
+    of this run reads). Returns ``output`` (with those figures on the last update).
+    """
+    try:
+        local = update_figure_stats(output)
+    except Exception as exc:  # noqa: BLE001 - never fail a training step for a co-signal
+        logger.warning("verl_lrstab: could not read the update's grad norm / KL loss / clip fraction (%s)", exc)
+        local = None
+    reduced = mismatch.all_reduce_or_none(local, 2 * len(UPDATE_FIGURES))
+    acc = _step_figures.setdefault(scheduler, _StepFigures())
+    if reduced is None:
+        acc.valid = False
+    else:
+        acc.stats += reduced
+    if not last:
+        return output
+    means = {}
+    if acc.valid:
+        for i, name in enumerate(UPDATE_FIGURES):
+            total, count = acc.stats[2 * i].item(), acc.stats[2 * i + 1].item()
+            if count > 0:
+                means[name] = total / count
+    _step_figures[scheduler] = _StepFigures()
+    detector = scheduler.schedule.detector
+    observe = getattr(detector, "observe", None)  # detector: ratio reads the length only
+    if observe is None or not means or detector.last_step is None:
+        return output
+    observe(detector.last_step, **means)
+    from verl_lrstab.glue.steps import with_metrics
+
+    return with_metrics(output, {f"lrstab/{name}": value for name, value in means.items()})

@@ -70,16 +70,19 @@ def _train_mini_batch(original_fn, self, *args, **kwargs):
     state.acc.add_score(signals.global_score_stats(data, group))
     mismatch_stats = signals.global_mismatch_stats(data, group, pre_rs)
     if is_bypass(mismatch_stats):  # old_log_probs := rollout_log_probs: figures from the loss's own forward
-        return train_mini_batch_bypass(self, scheduler, state, data, run_original, length_stats, last, is_async)
+        output = train_mini_batch_bypass(self, scheduler, state, data, run_original, length_stats, last, is_async)
+        return signals.feed_update_figures(scheduler, output, last)
     state.acc.add(length_stats, mismatch_stats)
     if not last:  # not the step's last update: the LR stays, nothing is logged
         with scheduler.holding():
-            return run_original()
+            return signals.feed_update_figures(scheduler, run_original(), last)
     length, figures = state.acc.result()
     feed(scheduler, state, length)
     feed_mismatch(scheduler, figures, is_async)
     state.acc.reset()
-    return with_metrics(run_original(), {**scheduler.metrics(), **(figures or {})})
+    output = with_metrics(run_original(), {**scheduler.metrics(), **(figures or {})})
+    # v4: the update's grad norm, KL loss and clip fraction, for the detector's next decision
+    return signals.feed_update_figures(scheduler, output, last)
 
 
 def _warmup_in_trainer_steps(scheduler: FedSchedule, state: StepState, count: int) -> None:
