@@ -34,13 +34,13 @@ def test_k3_that_grows_at_lr_0_is_a_system_mismatch():
     assert drift_ratio([1e-5, 2e-5, 3e-5]) is None  # too few steps to tell
 
 
-def test_no_figures_or_a_failed_run_is_rejected_with_the_reason():
+def test_no_figures_is_rejected_and_a_failed_run_is_failed_with_the_reason():
     none = judge("off", [{"actor/loss": 0.1}] * 3, Budget(1e-3),
                  findings=[Finding("no_rollout_log_probs", ("x",), "calculate_log_probs=false ...")])
     assert none.verdict == "reject" and "no actor/mismatch/k3" in none.reasons[0]
     assert none.findings == ["no_rollout_log_probs"]
     failed = judge("bad", [], Budget(1e-3), error="exit status 1: unknown key foo")
-    assert failed.verdict == "reject" and failed.reasons[0].startswith("the run failed")
+    assert failed.verdict == "failed" and failed.reasons[0].startswith("the run failed")  # not a verdict on it
 
 
 def test_a_calibrated_budget_is_the_reference_times_the_factor():
@@ -62,7 +62,7 @@ def test_the_json_contract_and_the_table():
     data = json.loads(json.dumps(report_json(budget, reports)))
     assert data["budget"]["value"] == DEFAULT_BUDGET_K3 and data["budget"]["source"] == "default"
     assert [(c["name"], c["verdict"]) for c in data["candidates"]] == [("bf16-t1.3", "reject"), ("fp32", "admit"),
-                                                                        ("broken", "reject")]
+                                                                        ("broken", "failed")]
     assert data["candidates"][1]["k3"] == pytest.approx(1e-12) and data["candidates"][2]["k3"] is None
     table = report_table(budget, reports).splitlines()
     assert [line.split("|")[1].strip() for line in table[4:]] == ["fp32", "bf16-t1.3", "broken"]  # by k3, failed last

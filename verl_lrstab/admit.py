@@ -12,6 +12,7 @@ METHOD.md), so a candidate over it is where those runs were.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Optional, Sequence
@@ -21,8 +22,12 @@ from verl_lrstab.mismatch import TAIL_EDGES, TAIL_LABELS
 
 FIGURES = ("k1", "k3", "seq_k3", "max_abs_diff", "frac_over_thr")
 DEFAULT_BUDGET_K3 = 5e-4
-DRIFT_FACTOR = 1.5  # median of the last half of the steps / the first half, at LR 0
+DRIFT_FACTOR = 1.5  # the fitted growth of k3 over the steps, at LR 0
 MIN_DRIFT_STEPS = 4
+# one-sided 1 % critical values of Student's t by degrees of freedom (1..30; 2.326 beyond): the
+# slope of log k3 must stand out of the per-step noise this clearly to be called a drift
+T_CRIT_01 = (31.82, 6.965, 4.541, 3.747, 3.365, 3.143, 2.998, 2.896, 2.821, 2.764, 2.718, 2.681, 2.650, 2.624, 2.602,
+             2.583, 2.567, 2.552, 2.539, 2.528, 2.518, 2.508, 2.500, 2.492, 2.485, 2.479, 2.473, 2.467, 2.462, 2.457)
 
 
 @dataclass(frozen=True)
@@ -90,23 +95,51 @@ def tail_shares(per_step: Sequence[dict]) -> dict:
     return out
 
 
-def drift_ratio(k3_by_step: Sequence[float]) -> Optional[float]:
-    """Median k3 of the last half of the steps / the first half (None with fewer than 4 steps)."""
-    values = [v for v in (finite_float(x) for x in k3_by_step) if v is not None]
-    if len(values) < MIN_DRIFT_STEPS:
+def drift_fit(k3_by_step: Sequence[float]) -> Optional[tuple[float, float]]:
+    """``(growth, t)``: the least-squares slope of log k3 on the step, as the fitted growth over the
+    steps (``exp(slope x (n - 1))``) and its t statistic against the per-step noise (the residuals'
+    spread). None with fewer than 4 positive figures."""
+    values = [v for v in (finite_float(x) for x in k3_by_step) if v is not None and v > 0]
+    n = len(values)
+    if n < MIN_DRIFT_STEPS:
         return None
-    half = len(values) // 2
-    first, last = median(values[:half]), median(values[-half:])
-    return last / first if first > 0 else None
+    xs, ys = list(range(n)), [math.log(v) for v in values]
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys)) / (n - 2)
+    se = math.sqrt(resid / sxx)
+    t = math.inf if se == 0 and slope > 0 else (0.0 if se == 0 else slope / se)
+    return math.exp(slope * (n - 1)), t
+
+
+def drift_ratio(k3_by_step: Sequence[float]) -> Optional[float]:
+    """The fitted growth of k3 over the steps (:func:`drift_fit`; None with fewer than 4 steps)."""
+    fit = drift_fit(k3_by_step)
+    return None if fit is None else fit[0]
+
+
+def is_drifting(k3_by_step: Sequence[float]) -> bool:
+    """k3 grows at LR 0: a fitted growth >= :data:`DRIFT_FACTOR` whose slope is above the per-step
+    noise at the 1 % level (one-sided t test on log k3); a stationary sampler passes 99 % of the time."""
+    fit = drift_fit(k3_by_step)
+    if fit is None:
+        return False
+    growth, t = fit
+    n = len([v for v in (finite_float(x) for x in k3_by_step) if v is not None and v > 0])
+    crit = T_CRIT_01[n - 3] if n - 2 <= len(T_CRIT_01) else 2.326
+    return growth >= DRIFT_FACTOR and t >= crit
 
 
 def judge(name: str, per_step: Sequence[dict], budget: Budget, findings: Sequence = (),
           error: Optional[str] = None) -> CandidateReport:
     """The verdict of one candidate: ``admit`` when its median k3 is within the budget, its k3 does not
-    drift at LR 0 and it has figures at all; else ``reject`` with the reasons."""
+    drift at LR 0 (:func:`is_drifting`) and it has figures at all; ``failed`` when its run failed
+    (``error``); else ``reject`` with the reasons."""
     report = CandidateReport(name=name, findings=[getattr(f, "code", str(f)) for f in findings], error=error)
     report.reasons += [getattr(f, "message", str(f)) for f in findings]
     if error is not None:
+        report.verdict = "failed"  # not a verdict on the sampler: it was never measured
         report.reasons.insert(0, f"the run failed: {error}")
         return report
     report.steps = len(per_step)
@@ -117,15 +150,16 @@ def judge(name: str, per_step: Sequence[dict], budget: Budget, findings: Sequenc
         return report
     report.k3 = report.figures["k3"]["median"]
     report.ratio_to_budget = report.k3 / budget.value
-    report.drift_ratio = drift_ratio([_figure(row, "k3") for row in per_step])
+    k3 = [_figure(row, "k3") for row in per_step]
+    report.drift_ratio = drift_ratio(k3)
     over = report.ratio_to_budget > 1
-    drifting = report.drift_ratio is not None and report.drift_ratio >= DRIFT_FACTOR
+    drifting = is_drifting(k3)
     if over:
         report.reasons.insert(0, f"median k3 {report.k3:.3g} is {report.ratio_to_budget:.3g} x the budget "
                                  f"{budget.value:.3g} ({budget.source})")
     if drifting:
-        report.reasons.insert(0, f"k3 grows at LR 0 (last half / first half of the steps = {report.drift_ratio:.2f} "
-                                 f">= {DRIFT_FACTOR}): the engines disagree for a system reason, which no LR "
+        report.reasons.insert(0, f"k3 grows at LR 0 (x{report.drift_ratio:.2f} over the steps, fitted, >= {DRIFT_FACTOR} "
+                                 "and above the per-step noise at 1 %): the engines disagree for a system reason, which no LR "
                                  "schedule fixes (a sampler/trainer configuration, a version regression)")
     report.verdict = "reject" if over or drifting else "admit"
     return report

@@ -29,7 +29,8 @@ from typing import Optional, Sequence
 from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, CandidateReport, calibrated_budget, judge, plot_tails,
                                report_json, report_table)
 from verl_lrstab.config_checks import check_rollout_config
-from verl_lrstab.guard.supervisor import compose_config, raise_on_signal, split_command, stop_group
+from verl_lrstab.guard.supervisor import (compose_config, raise_on_signal, split_command, start_supervised,
+                                          stop_group)
 from verl_lrstab.runs import read_metrics
 
 OPTIM = "actor_rollout_ref.actor.optim"
@@ -88,12 +89,14 @@ def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], step
         out_dir: the report's folder (each candidate's verl metrics and log go there too).
         budget: a fixed budget; None: ``reference`` x ``factor`` if given, else the default.
         env, cwd: the command's environment and folder (default: this process's).
-        timeout_s: hard limit per candidate.
+        timeout_s: hard limit per candidate (``--timeout``): past it the candidate is stopped and ``failed``.
         ray_address: a running Ray cluster every candidate joins (None: each starts its own).
         progress: called with a line as each candidate starts and ends (None: silent).
 
     Returns:
-        The JSON report (see :func:`verl_lrstab.admit.report_json`), with ``wall_s`` per candidate.
+        The JSON report (see :func:`verl_lrstab.admit.report_json`), with ``wall_s`` per candidate,
+        ``warnings``, ``complete`` and ``not_run``. The report is rewritten after every candidate
+        and on Ctrl-C (KeyboardInterrupt, re-raised after the write).
     """
     if steps < 2:
         raise ValueError(f"--steps must be >= 2, got {steps}")
@@ -119,56 +122,110 @@ def _run_all(launcher, base, candidates, steps, out_dir, budget, reference, fact
     results = []  # (candidate, per-step rows, findings, error, wall)
     joins = [f"++ray_kwargs.ray_init.address={ray_address}"] if ray_address else []
     say = progress or (lambda line: None)
-    for i, cand in enumerate(candidates, 1):
-        overrides = (base + QUIET + joins + cand.launch_overrides() + NO_UPDATE
-                     + [f"trainer.total_training_steps={steps}"])
-        say(f"[{i}/{len(candidates)}] {cand.name}: {steps} steps at LR 0 ...")
+    data = None
+    try:
+        for i, cand in enumerate(candidates, 1):
+            results.append(_run_one(launcher, base + QUIET + joins, cand, steps, out_dir, env, cwd, timeout_s,
+                                    f"[{i}/{len(candidates)}]", say))
+            # the report so far, after every candidate (a later failure or Ctrl-C keeps it)
+            data = write_report(results, candidates, out_dir, budget, reference, factor, say, final=i == len(candidates))
+    except KeyboardInterrupt:
+        data = write_report(results, candidates, out_dir, budget, reference, factor, say, final=True, interrupted=True)
+        say(f"interrupted: the report of the {len(results)} finished candidate(s) is in {out_dir / 'admit.json'}")
+        raise
+    return data
+
+
+def _run_one(launcher, base, cand, steps, out_dir, env, cwd, timeout_s, tag, say):
+    """One candidate's launch: ``(candidate, per-step rows, findings, error, wall seconds)``."""
+    overrides = base + cand.launch_overrides() + NO_UPDATE + [f"trainer.total_training_steps={steps}"]
+    say(f"{tag} {cand.name}: {steps} steps at LR 0 ...")
+    try:
+        findings = check_rollout_config(compose_config(launcher, overrides, cwd))
+    except Exception as exc:  # noqa: BLE001 - a bad override: this candidate fails, the others run
+        error = f"its overrides do not compose ({' '.join(cand.overrides)}): {exc}"
+        say(f"{tag} {cand.name}: {error}")
+        return cand, [], [], error, 0.0
+    metrics, log = out_dir / f"{cand.name}.jsonl", out_dir / f"{cand.name}.log"
+    metrics.unlink(missing_ok=True)
+    start = time.monotonic()
+    error = None
+    with open(log, "w") as out:
+        # under the guard's watchdog, in its own session: Ctrl-C / SIGTERM / SIGKILL of admit stop the
+        # candidate with its Ray daemons, rather than failing this candidate and starting the next one
+        proc, lifeline = start_supervised(launcher + overrides + ["trainer.logger=[console,file]"], cwd=cwd,
+                                          env={**env, **cand.env, "VERL_FILE_LOGGER_PATH": str(metrics)}, stdout=out)
         try:
-            findings = check_rollout_config(compose_config(launcher, overrides, cwd))
-        except Exception as exc:  # noqa: BLE001 - a bad override: this candidate fails, the others run
-            results.append((cand, [], [], f"its overrides do not compose ({' '.join(cand.overrides)}): {exc}", 0.0))
-            say(f"[{i}/{len(candidates)}] {cand.name}: {results[-1][3]}")
-            continue
-        metrics, log = out_dir / f"{cand.name}.jsonl", out_dir / f"{cand.name}.log"
-        metrics.unlink(missing_ok=True)
-        start = time.monotonic()
-        error = None
-        with open(log, "w") as out:
-            # its own session: Ctrl-C / SIGTERM stop the whole admit, and the candidate with its Ray
-            # daemons (stop_group), rather than failing this candidate and starting the next one
-            proc = subprocess.Popen(launcher + overrides + ["trainer.logger=[console,file]"], cwd=cwd,
-                                    env={**env, **cand.env, "VERL_FILE_LOGGER_PATH": str(metrics)}, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                proc.wait(timeout=timeout_s)
-                if proc.returncode != 0:
-                    error = f"verl exited with status {proc.returncode} (log: {log})"
-            except subprocess.TimeoutExpired:
-                error = f"no result within {timeout_s:.0f} s (log: {log})"
-            finally:
-                stop_group(proc)
-        records = read_metrics(metrics)
-        rows = [records[s] for s in sorted(records)]
-        results.append((cand, rows, findings, error, time.monotonic() - start))
-        k3 = " ".join(f"{v:.3g}" if isinstance(v, (int, float)) else "-"
-                      for v in (r.get("actor/mismatch/k3") for r in rows))
-        say(f"[{i}/{len(candidates)}] {cand.name}: " + (error or f"{len(rows)} steps, k3 by step {k3 or '-'}")
-            + f" ({time.monotonic() - start:.0f} s)")
+            proc.wait(timeout=timeout_s)
+            if proc.returncode != 0:
+                error = f"verl exited with status {proc.returncode} ({_last_error(log)}; log: {log})"
+        except subprocess.TimeoutExpired:
+            error = f"no result within --timeout {timeout_s:.0f} s (log: {log})"
+        finally:
+            stop_group(proc)
+            os.close(lifeline)
+    records = read_metrics(metrics)
+    rows = [records[s] for s in sorted(records)]
+    k3 = " ".join(f"{v:.3g}" if isinstance(v, (int, float)) else "-"
+                  for v in (r.get("actor/mismatch/k3") for r in rows))
+    say(f"{tag} {cand.name}: " + (error or f"{len(rows)} steps, k3 by step {k3 or '-'}")
+        + f" ({time.monotonic() - start:.0f} s)")
+    return cand, rows, findings, error, time.monotonic() - start
+
+
+def _last_error(log: Path) -> str:
+    """The last line of verl's log that names an error (what a reader of the report needs first)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    hits = [line.strip() for line in lines if re.search(r"(Error|Exception|error:)", line)]
+    return (hits[-1] if hits else (lines[-1].strip() if lines else "empty log"))[:300]
+
+
+def write_report(results, candidates, out_dir: Path, budget, reference, factor, say=None, final=True,
+                 interrupted=False) -> dict:
+    """Judge the candidates run so far and write ``admit.json`` / ``admit.md`` / ``admit.png``
+    (atomically: a reader never sees half a file). A ``reference`` that failed (or has no k3)
+    falls back to the default budget with a warning; one not run yet gives a provisional default."""
+    say = say or (lambda line: None)
+    warnings = []
     provisional = budget or Budget(1.0)
     reports = [judge(c.name, rows, provisional, findings, err) for c, rows, findings, err, _ in results]
     if budget is None:
-        budget = calibrated_budget(reports, reference, factor) if reference else Budget(DEFAULT_BUDGET_K3)
+        budget = Budget(DEFAULT_BUDGET_K3)
+        if reference and any(r.name == reference for r in reports):
+            try:
+                budget = calibrated_budget(reports, reference, factor)
+            except ValueError as err:
+                warnings.append(f"{err}: the default budget {DEFAULT_BUDGET_K3:g} is used instead")
+        elif reference:
+            warnings.append(f"--reference {reference!r} has not run yet: the default budget is used so far")
         reports = [judge(c.name, rows, budget, findings, err) for c, rows, findings, err, _ in results]
     data = report_json(budget, reports)
     for entry, (cand, _, _, _, wall) in zip(data["candidates"], results):
         entry["wall_s"] = round(wall, 1)
         entry["overrides"] = cand.overrides
         entry["env"] = cand.env
-    figure = plot_tails(reports, out_dir / "admit.png")
+    data["warnings"] = warnings
+    data["complete"] = len(results) == len(candidates) and not interrupted
+    data["not_run"] = [c.name for c in candidates[len(results):]]
+    figure = plot_tails(reports, out_dir / "admit.png") if final else None
     data["figure"] = None if figure is None else str(figure)
-    (out_dir / "admit.json").write_text(json.dumps(data, indent=1))
-    (out_dir / "admit.md").write_text(report_table(budget, reports) + "\n")
+    _write_atomic(out_dir / "admit.json", json.dumps(data, indent=1))
+    _write_atomic(out_dir / "admit.md", report_table(budget, reports) + "\n"
+                  + "".join(f"\nwarning: {w}" for w in warnings) + ("\n" if warnings else "")
+                  + (f"\nnot run (interrupted): {', '.join(data['not_run'])}\n" if interrupted and data["not_run"] else ""))
+    if final:
+        for w in warnings:
+            say(f"warning: {w}")
     return data
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def print_report(data: dict, out_dir: Path) -> None:

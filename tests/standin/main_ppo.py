@@ -12,7 +12,8 @@ trainer's side, independent of the package). What goes wrong is scripted by ``$S
 1 before that step), ``fail_resume`` (checkpoint steps that fail to load), ``partial_save_at``
 ({launch: step}: die after rank 0's shard of that step), ``score`` ("pm1": a +-1 reward whose
 accuracy falls from 0.44 to 0.05 from step 10), ``surge_at`` (a length surge from that step),
-``hang_at`` ({launch: step}: sleep after that step: for kill tests), ``daemon`` (start a "Ray daemon" in its own session).
+``hang_at`` ({launch: step}: sleep after that step: for kill tests), ``daemon`` (start a "Ray daemon" in its own session). For ``lrstab admit``: ``$STANDIN_K3`` (the per-step
+k3, comma-separated), ``$STANDIN_FAIL`` (fail with that error), ``$STANDIN_HANG`` (hang after step 1).
 """
 
 import json
@@ -58,6 +59,10 @@ def main():
         d = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         with open(os.environ["STANDIN_PIDS"], "a") as f:
             f.write(f"{d.pid}\n")
+    if os.environ.get("STANDIN_FAIL"):  # lrstab admit's failing candidate
+        print(f"ValueError: {os.environ['STANDIN_FAIL']}", file=sys.stderr, flush=True)
+        return 1
+    k3 = [float(v) for v in os.environ["STANDIN_K3"].split(",")] if os.environ.get("STANDIN_K3") else None
     total, save_freq = int(o["trainer.total_training_steps"]), int(o.get("trainer.save_freq", -1))
     ckdir = Path(o.get("trainer.default_local_dir", "checkpoints"))
     lr0 = float(o.get("actor_rollout_ref.actor.optim.lr", 1e-3))
@@ -96,6 +101,8 @@ def main():
                 "actor/grad_norm": math.nan if batch in script.get("nan_batches", [])
                 or step in script.get("nan_at", {}).get(str(launch), []) else 1.0,
                 "actor/lr": lr0 * s, "data/batch_index": batch, "actor/lrstab/lr_scale": s}
+        if k3 is not None:
+            data["actor/mismatch/k3"] = k3[(step - 1) % len(k3)]
         log.write(json.dumps({"step": step, "data": data}) + "\n")
         log.flush()
         if save_freq > 0 and step % save_freq == 0:
@@ -111,7 +118,7 @@ def main():
                         "_sampler_iter_state": {"samples_yielded": 4 * (batch + 1)}}, actor.parent / "data.pt")
             (ckdir / "latest_checkpointed_iteration.txt").write_text(str(step))
         time.sleep(float(os.environ.get("STANDIN_STEP_S", "0.02")))
-        if script.get("hang_at", {}).get(str(launch)) == step:
+        if script.get("hang_at", {}).get(str(launch)) == step or os.environ.get("STANDIN_HANG"):
             time.sleep(600)
     return 0
 

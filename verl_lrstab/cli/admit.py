@@ -21,10 +21,14 @@ def cmd_admit(args) -> int:
         budget = Budget(args.budget, "fixed") if args.budget is not None else None
         data = run_candidates(command, candidates, args.steps, Path(args.out), budget=budget,
                               reference=args.reference, factor=args.budget_factor, ray_address=args.ray_address,
+                              timeout_s=args.timeout,
                               progress=lambda line: print(f"lrstab admit {line}", file=sys.stderr, flush=True))
     except (ValueError, GuardError) as err:
         print(f"lrstab admit: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(Path(args.out).resolve() / "admit.json")
+        return 130
     print_report(data, Path(args.out))
     print(Path(args.out).resolve() / "admit.json")
     return 0
@@ -51,5 +55,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="lrstab_admit", help="report folder (default lrstab_admit)")
     p.add_argument("--ray-address", help="a running Ray cluster every candidate joins (e.g. auto; default: each "
                                          "candidate starts its own)")
+    p.add_argument("--timeout", type=float, default=1800,
+                   help="seconds per candidate; past it the candidate is stopped and reported as failed (default 1800)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python -m verl.trainer.main_ppo ...")
     p.set_defaults(func=cmd_admit)
