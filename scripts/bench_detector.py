@@ -1,28 +1,31 @@
 #!/usr/bin/env python
 """Surge detectors side by side on labelled runs: detections, false alarms, lead before the crash.
 
-Runs: the seeded class A-H runs of issues 10 and 21 (``scripts/phenomena.py``, 40 seeds each, with
-score / mismatch-k3 / clip-ratio columns), each in seven log forms (``FORMS``: dense; the score on
-every 4th or 10th row only, or forward-filled from every 10th, or absent; every column logged
-every 5 or 10 steps), the 34
+Runs: the seeded class A-N runs of issues 10, 21 and 33 (``scripts/phenomena.py``, 40 seeds each, with
+score / mismatch-k3 / clip-ratio columns; I-N with verl's entropy, grad norm, KL loss and PPO clip
+fraction instead of k3), each in nine log forms (``FORMS``: dense; the score on every 4th or 10th
+row only, or forward-filled from every 10th, or absent; verl's co-signals on every 4th row only or
+forward-filled from it; every column logged every 5 or 10 steps), the 34
 length-only synthetic traces (``scripts/traces``, ``scripts/synthetic_traces.py``) and the real
 traces of ``--real DIR`` (default ``../shared/traces``; read-only, fed as logged). Rules:
 
-- ``cusum``: :func:`verl_lrstab.schedule.replay` with the default ``LengthSurgeConfig``
-  (``detector: cusum``), fed every co-signal the run has (the trainer's code path);
-- ``cusum, no KL``: the same with the score and clip ratio only (a verl run without mismatch
-  figures: what ``lrstab replay`` finds in most logs);
+- ``cusum``: :func:`verl_lrstab.runs.replay_with_cosignals` (``schedule.replay`` plus v4's
+  co-signals) with the default ``LengthSurgeConfig`` (``detector: cusum``), fed every co-signal
+  the run has (the trainer's code path);
+- ``cusum, no KL``: the same without the mismatch KL (a verl run without mismatch figures: what
+  ``lrstab replay`` finds in most logs);
 - ``cusum, length only``: the same without the co-signals (what a run without score sees);
 - ``ratio``: ``replay`` with ``detector: ratio`` (the rule before v2, default options);
 - ``z-score``: rolling z-score of the raw length, previous 50 observations (at least 10), z > 4;
 - ``trailing ratio``: mean of the last 5 observations >= 1.5 x the mean of the 50 before them;
 - ``3x-first-50``: baseline = mean over the steps <= 50; the first later value > 3x baseline.
 
-A "hit" of A, B, G must come in every form; any firing on C, D, E, F, H in any form is a false
-alarm. Scoring: A is detected when the rule fires between the onset and the crash (the first step with
-accuracy below 0.5); lead = crash - detection. B is detected when it fires between the onset and
-the step the length reaches the cap (``rise_end``). G is detected on its 10x excursion (up to 10
-steps after it) or on the later surge before its crash. Writes ``--out`` (default docs/detector_benchmark.md)::
+A "hit" of A, B, G, I, J, K must come in every form; any firing on C, D, E, F, H, L, M, N in any form is
+a false alarm. Scoring: A, I, J, K are detected when the rule fires between the onset and the crash
+(the first step from the onset with accuracy below 0.5); lead = crash - detection. B is detected
+when it fires between the onset and the step the length reaches the cap (``rise_end``). G is
+detected on its 10x excursion (up to 10 steps after it) or on the later surge before its crash.
+Writes ``--out`` (default docs/detector_benchmark.md)::
 
     python scripts/bench_detector.py
 """

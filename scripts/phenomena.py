@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Seeded synthetic runs of the phenomena of issues 10 and 21 (classes A-H), with co-signal columns.
+"""Seeded synthetic runs of the phenomena of issues 10, 21 and 33 (classes A-N), with co-signal columns.
 
 Each run is one row per step with the figures verl logs: ``response_length/mean``,
 ``critic/score/mean`` (batch accuracy), ``actor/mismatch/k3`` and ``response_length/clip_ratio``.
@@ -25,6 +25,22 @@ cap and the times within the stated ranges, so the set is not one curve copied:
 - **H** long healthy run (issue 21): 800-1200 steps, noise 5-10 %, slow growth to 1.2-1.8x, 3-8
   short excursions of 1.3-2x that revert within 5-15 steps; accuracy rises slowly; flat k3. Real
   logs of this kind often carry the score on every 10th row only (:func:`sparse_score`).
+
+Issue 33 (detector v4): the three shapes of real surges the default was late on or missed, and
+their healthy twins. These carry what verl logs on every step instead of the mismatch k3 (NaN):
+``actor/entropy``, ``actor/grad_norm``, ``actor/kl_loss``, ``actor/pg_clipfrac`` (``COSIGNALS``):
+
+- **I** a slow healthy drift (~1.6x over 60 steps, score stable), then a 1.3-2x surge within 6-9
+  steps with the clip share, grad norm (3-5x), KL loss (4-8x), entropy (1.2-1.4x) and clip
+  fraction up from its first steps; the accuracy crashes 4-9 steps after the onset.
+- **J** a flat length whose entropy and grad norm turn up 3-5 steps before a 4x explosion to the
+  cap in 3-5 steps, the score falling to zero with it.
+- **K** an early high (3-6x the later level) that recovers, a short phase, then a return to about
+  that high within 2-4 steps with the score collapsing to zero in the same steps.
+- **L** (healthy) growth of 1.5-1.9x within 25-45 steps with the entropy and the score rising.
+- **M** (healthy) grad-norm spikes of 3-10x over 1-3 steps that revert, several at the start of a
+  1.3-1.8x length excursion that reverts.
+- **N** (healthy) the KL loss rising slowly (3-8x over the run) under such excursions.
 
 :func:`sparse_score` turns any run's score column into the forms real logs have: every k-th row
 only (NaN elsewhere), the same forward-filled, or absent.
