@@ -172,6 +172,13 @@ def test_a_checkpoint_counts_only_once_verl_finished_writing_it(tmp_path):
     assert not checkpoint_complete(ck / "global_step_4", tracker=8)
     (ck / "global_step_12" / "actor").mkdir(parents=True)  # verl's first mkdir, before any shard
     assert checkpoint_steps(ck) == []
+    # a node-local folder: rank 1's shards here, rank 0 (and its fsdp_config.json) on another node
+    actor = ck / "global_step_12" / "actor"
+    for p in ("model", "optim", "extra_state"):
+        (actor / f"{p}_world_size_2_rank_1.pt").write_bytes(b"x")
+    (ck / "global_step_12" / "data.pt").write_bytes(b"x")
+    (ck / "latest_checkpointed_iteration.txt").write_text("12")
+    assert checkpoint_steps(ck) == []
 
 
 def test_a_crash_midway_through_a_save_restarts_from_the_last_complete_checkpoint(tmp_path):

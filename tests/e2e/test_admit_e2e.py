@@ -50,7 +50,7 @@ def test_admit_ranks_two_samplers_and_reports_a_bad_candidate(tmp_path, assets_d
     assert data["budget"] == {"value": 1e-6, "source": "fixed", "reference": None, "factor": None}
     assert by["fp32"]["steps"] == by["bf16"]["steps"] == 4
     assert by["fp32"]["k3"] < 1e-6 < by["bf16"]["k3"]
-    assert (by["fp32"]["verdict"], by["bf16"]["verdict"], by["typo"]["verdict"]) == ("admit", "reject", "reject")
+    assert (by["fp32"]["verdict"], by["bf16"]["verdict"], by["typo"]["verdict"]) == ("admit", "reject", "failed")
     assert "no_such_key" in by["typo"]["error"] and by["typo"]["k3"] is None
     # drift at LR 0 is found on the drifting sampler only: a system mismatch, named as such
     assert by["bf16"]["drift_ratio"] >= 1.5 > by["fp32"]["drift_ratio"]

@@ -190,7 +190,7 @@ def checkpoint_complete(folder: Path, contents=("model", "optimizer", "extra"), 
     ``actor/fsdp_config.json`` with W, behind a barrier), then ``data.pt`` (the dataloader), then
     the tracker. So a checkpoint counts when the tracker is at or past its step (it was written
     after ``data.pt``; skipped with ``async_save``), ``data.pt`` is there, and, for FSDP, each of the
-    W ranks' shards of the saved contents. (Megatron writes ``actor/dist_ckpt``: its folder is checked.)
+    W ranks' shards of the saved contents. (Megatron writes ``actor/model/``: that folder is asked for.)
     """
     m = _STEP_DIR.search(folder.name)
     actor = folder / "actor"
@@ -206,7 +206,9 @@ def checkpoint_complete(folder: Path, contents=("model", "optimizer", "extra"), 
             return False
         need = [_SHARD_PREFIX[c] for c in contents if c in _SHARD_PREFIX]
         return all((actor / f"{p}_world_size_{world}_rank_{r}.pt").is_file() for p in need for r in range(world))
-    return any(actor.iterdir())
+    # Megatron: actor/model/ (dist_ckpt/ or the HF tree) beside the optimizer's; no FSDP shard without
+    # rank 0's fsdp_config.json counts (a node-local folder whose rank 0 wrote elsewhere)
+    return (actor / "model").is_dir() and not any(actor.glob("*_world_size_*_rank_*.pt"))
 
 
 def checkpoint_steps(checkpoint_dir: Path, contents=("model", "optimizer", "extra"), check_tracker: bool = True,
