@@ -223,6 +223,26 @@ def test_resuming_a_constant_checkpoint_starts_the_detector_fresh_with_a_warning
     assert ours.last_epoch == 8
 
 
+def test_resuming_a_stock_checkpoint_keeps_its_lr_over_a_changed_optim_lr_and_says_both(caplog):
+    # the documented rule (docs/integration.md, Checkpoints and resume), for verl's own checkpoints too
+    from verl.utils.torch_functional import get_constant_schedule_with_warmup
+
+    saved_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    stock = get_constant_schedule_with_warmup(saved_opt, num_warmup_steps=0)
+    for _ in range(5):
+        saved_opt.step()
+        stock.step()
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=4e-3)  # the run now says optim.lr=4e-3
+    ours = LengthSurgeLR(opt)  # verl's engine builds both, then its checkpoint manager loads the
+    opt.load_state_dict(saved_opt.state_dict())  # optimizer, then the scheduler
+    caplog.set_level(logging.WARNING, logger="verl_lrstab")
+    ours.load_state_dict(stock.state_dict())
+    assert "checkpoint's initial LR [0.001]; the configured optim.lr [0.004] is ignored" in caplog.text
+    assert ours.get_last_lr() == [pytest.approx(1e-3)] and opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+    ours.step(10.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)  # and it stays: no surge, no decay
+
+
 def test_an_option_changed_since_the_checkpoint_is_named_in_a_warning(caplog):
     saved = LengthSurgeLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3), {"period_factor": 1.8})
     for length in (10.0, 11.0, 10.5):
@@ -266,6 +286,11 @@ def test_verls_own_post_init_runs_for_stock_and_length_surge_configs(monkeypatch
     ({"length_surge": {"max_surges": 2}}, r"length_surge\.max_surges=2 is invalid in training"),
     ({"length_surge": {"patience": 5}}, r"length_surge\.patience=5 is invalid.*detector='cusum' and trigger='length'"),
     ({"length_surge": {"mismatch_budget": 1e-3}}, r"length_surge\.mismatch_budget=0\.001 is invalid.*trigger='length'"),
+    # issue 35: beside a fixed decay_period, and under monitor_only
+    ({"length_surge": {"decay_period": 20, "period_factor": 1.2}},
+     r"length_surge\.period_factor=1\.2 is invalid in training.*not read: a fixed decay_period=20"),
+    ({"length_surge": {"monitor_only": True, "decay_period": 20}},
+     r"length_surge\.decay_period=20 is invalid in training: allowed values are its default None.*monitor_only"),
 ])
 def test_what_length_surge_does_not_read_is_refused_naming_it(kwargs, message):
     from verl.workers.config import FSDPOptimizerConfig
@@ -281,6 +306,13 @@ def test_verls_defaults_for_the_unread_options_are_accepted():
     for min_lr_ratio in (None, 0.0):
         FSDPOptimizerConfig(lr=1e-6, lr_scheduler_type="length_surge", min_lr_ratio=min_lr_ratio, num_cycles=0.5)
     FSDPOptimizerConfig(lr=1e-6, lr_scheduler_type="length_surge", length_surge={"patience": 5, "trigger": "either"})
+    # what is read stays accepted: the paper's second run (a base YAML names the defaults), the guard's
+    # rollback (its period came from period_factor), a monitor naming the defaults
+    for options in ({"decay_period": 198, "period_factor": 1.8, "origin": "surge", "gamma": 0.5},
+                    {"decay_period": 198, "origin": "start"},
+                    {"decay_period": 27, "decay_from_step": 8, "period_factor": 1.2},
+                    {"monitor_only": True, "gamma": 0.7, "period_factor": 0.5, "origin": "start"}):  # lrstab guard's
+        FSDPOptimizerConfig(lr=1e-6, lr_scheduler_type="length_surge", length_surge=options)
 
 
 def test_verls_class_keeps_verls_stock_behaviour_for_unknown_names():

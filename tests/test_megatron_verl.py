@@ -80,6 +80,8 @@ def test_stock_megatron_config_is_unchanged():
          r"unknown key.*length_surge\.ratio.*allowed keys"),
         ([f"{OPTIM}.lr_decay_style=length_surge", f"+{OPTIM}.length_surge.max_surges=2"],
          r"length_surge\.max_surges=2 is invalid in training: allowed values are its default 1"),
+        ([f"{OPTIM}.lr_decay_style=length_surge", f"{OPTIM}.min_lr=1e-7"],  # issue 35: never read (FSDP's
+         r"optim\.min_lr=1e-07 is not read by lr_decay_style=length_surge: allowed values are \[0\.0\]"),  # min_lr_ratio too)
     ],
 )
 def test_bad_megatron_config_names_key_and_allowed_values(overrides, message):
@@ -97,7 +99,7 @@ def test_options_without_the_name_warn():
     [],  # ratio 0, warmup -1: no warmup
     [f"{OPTIM}.lr_warmup_steps=5", f"{OPTIM}.lr_warmup_init=1e-8"],
     [f"{OPTIM}.lr_warmup_steps_ratio=0.1"],
-    [f"{OPTIM}.lr_warmup_steps_ratio=0.1", f"{OPTIM}.lr_decay_steps=50", f"{OPTIM}.min_lr=1e-8"],
+    [f"{OPTIM}.lr_warmup_steps_ratio=0.1", f"{OPTIM}.lr_decay_steps=50"],  # (min_lr: refused, never read)
 ])
 def test_builder_resolves_steps_as_verls_own_builder(overrides):
     from verl.utils.megatron.optimizer import get_megatron_optimizer_param_scheduler

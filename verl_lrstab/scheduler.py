@@ -89,25 +89,32 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
             "options": self.config.to_dict(),
         }
 
+    def _checkpoint_base_lrs(self, saved) -> list[float]:
+        """The checkpoint's initial LRs, which win over a changed ``optim.lr`` (a WARNING gives both)."""
+        base_lrs = [float(lr) for lr in saved]
+        if any(abs(a - b) > 1e-12 * max(abs(a), abs(b), 1.0) for a, b in zip(base_lrs, self._configured_lrs)):
+            logger.warning("verl_lrstab: resuming with the checkpoint's initial LR %s; the configured "
+                           "optim.lr %s is ignored (same as verl's stock schedulers)", base_lrs, self._configured_lrs)
+        return base_lrs
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the exact trajectory, including a surge seen before the checkpoint.
 
         Like torch's schedulers (and upstream verl), the checkpoint's ``base_lrs`` win over a
-        changed ``optim.lr``; a warning says so.
+        changed ``optim.lr``, for our checkpoints and for verl's constant/cosine ones alike; a
+        warning gives both values.
         """
         if "schedule" not in state_dict:  # saved by verl's constant/cosine (a LambdaLR): restart the detector
             self._restore_schedule(None, state_dict.get("last_epoch"))
+            if state_dict.get("base_lrs"):  # the same LR rule as for our own checkpoints, below
+                self.base_lrs = self._checkpoint_base_lrs(state_dict["base_lrs"])
             self.last_epoch = int(state_dict.get("last_epoch", self.last_epoch))
             self._step_count = int(state_dict.get("_step_count", self._step_count))
             self._last_lr = [float(lr) for lr in self.get_lr()]
             for group, lr in zip(self.optimizer.param_groups, self._last_lr):
                 group["lr"] = lr
             return
-        base_lrs = [float(lr) for lr in state_dict["base_lrs"]]
-        if any(abs(a - b) > 1e-12 * max(abs(a), abs(b), 1.0) for a, b in zip(base_lrs, self._configured_lrs)):
-            logger.warning("verl_lrstab: resuming with the checkpoint's initial LR %s; the configured "
-                           "optim.lr %s is ignored (same as verl's stock schedulers)", base_lrs, self._configured_lrs)
-        self.base_lrs = base_lrs
+        self.base_lrs = self._checkpoint_base_lrs(state_dict["base_lrs"])
         self.last_epoch = int(state_dict["last_epoch"])
         self._step_count = int(state_dict["_step_count"])
         self._last_lr = list(state_dict["_last_lr"])

@@ -56,16 +56,34 @@ def plain(options):
 
 
 def length_surge_options(options) -> LengthSurgeConfig:
-    """The ``length_surge`` node as :class:`LengthSurgeConfig`, refusing what training never reads."""
+    """The ``length_surge`` node as :class:`LengthSurgeConfig`, refusing what training never reads.
+
+    Refused when set away from its default, naming the key: ``max_surges`` (the schedule follows
+    the first surge); beside a fixed ``decay_period`` (the paper's second run; not with the
+    guard's ``decay_from_step``, whose period the guard computed from ``period_factor``)
+    ``period_factor``; under ``monitor_only`` ``decay_period``. Not refused, though a plain run
+    does not read them: ``origin`` beside a fixed ``decay_period`` (it cannot be told apart from
+    its default, ``surge``, which base YAMLs name; the fixed period counts from step 0, as
+    ``origin: start``), and ``gamma`` / ``min_lr_ratio`` / ``period_factor`` / ``origin`` under
+    ``monitor_only`` (``lrstab guard`` resumes such a run with the decay on and reads them).
+    """
     config = LengthSurgeConfig.from_dict(plain(options))
     defaults = LengthSurgeConfig()
-    unread = {
-        "max_surges": "the schedule follows the first surge only",
-    }
+    unread = {"max_surges": "the schedule follows the first surge only"}
+    if config.monitor_only:
+        # gamma, min_lr_ratio, period_factor and origin stay accepted: `lrstab guard` supervises monitor_only
+        # runs and resumes them with monitor_only=false, a decay_period of its own and the run's other options
+        unread["decay_period"] = ("monitor_only: true never decays the LR; lrstab guard sets the period of the "
+                                  "decay it starts itself")
+    elif config.decay_period is not None and config.decay_from_step is None:
+        unread["period_factor"] = (f"a fixed decay_period={config.decay_period} halves the LR every "
+                                   f"{config.decay_period} steps from step 0; period_factor sets a period from "
+                                   "the detected surge, used without decay_period")
     for key, why in unread.items():
-        if getattr(config, key) != getattr(defaults, key):
-            raise ValueError(f"{OPTIM}.length_surge.{key}={getattr(config, key)!r} is invalid in training: allowed "
-                             f"values are its default {getattr(defaults, key)!r} ({why})")
+        value, default = getattr(config, key), getattr(defaults, key)
+        if value != default:
+            raise ValueError(f"{OPTIM}.length_surge.{key}={value!r} is invalid in training: allowed values are "
+                             f"its default {default!r} (not read: {why})")
     return config
 
 
@@ -151,6 +169,10 @@ def _build_mcore(base: type, require) -> type:
                 object.__setattr__(self, "lr_decay_style", SCHEDULER_NAME)
             if self.lr_decay_style == SCHEDULER_NAME:
                 require("megatron")
+                if self.min_lr != 0.0:
+                    raise ValueError(f"{OPTIM}.min_lr={self.min_lr!r} is not read by lr_decay_style={SCHEDULER_NAME}: "
+                                     f"allowed values are [0.0] (length_surge's floor is {OPTIM}.length_surge."
+                                     "min_lr_ratio x the group's max LR)")
                 object.__setattr__(self, "length_surge", length_surge_options(self.length_surge))
                 if not self.use_checkpoint_opt_param_scheduler:
                     logger.warning("verl_lrstab: %s.use_checkpoint_opt_param_scheduler set to true for length_surge, "
