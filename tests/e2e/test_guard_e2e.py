@@ -152,3 +152,57 @@ def test_killing_the_guard_stops_verl_and_loses_nothing(tmp_path, assets_dir, ma
                                                       f"trainer.default_local_dir={run_dir / 'checkpoints'}"])
     assert min(resumed.metrics) == saved + 1 and max(resumed.metrics) == STEPS
     assert os.path.isdir(run_dir / "checkpoints" / f"global_step_{STEPS}")
+
+
+CRASHING_REWARD = '''
+"""The CPU demo's length reward, which in the guard's second launch (segment-2) pays 0 after 4 steps:
+a provoked reward crash after the first rollback (the guard's second trouble)."""
+import os
+
+from verl_lrstab.cpu.rewards import longer_is_better
+
+CALLS = [0]
+PER_STEP = int(os.environ.get("LRSTAB_TEST_SAMPLES_PER_STEP", "32"))
+
+
+def crash_in_segment_2(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    CALLS[0] += 1
+    if os.environ.get("VERL_FILE_LOGGER_PATH", "").endswith("segment-2.jsonl") and CALLS[0] > 4 * PER_STEP:
+        return 0.0
+    return longer_is_better(data_source, solution_str, ground_truth, extra_info, **kwargs)
+'''
+
+
+@pytest.mark.slow  # three main_ppo launches on the 2-core box
+def test_two_rollbacks_in_one_run_each_lowers_the_lr(tmp_path, assets_dir, monkeypatch):
+    """Rollback 1 on the demo's surge; in the resumed segment the reward falls to 0 (a provoked crash),
+    rollback 2; the LR after each: x gamma of the LR in force at its checkpoint (verl's logged actor/lr)."""
+    reward = tmp_path / "crash_reward.py"
+    reward.write_text(CRASHING_REWARD)
+    cfg = OmegaConf.load(CONFIG_DIR / "cpu_demo.yaml")
+    per_step = int(cfg.data.train_batch_size) * int(cfg.actor_rollout_ref.rollout.n)
+    overrides = RUN + [f"reward.custom_reward_function.path={reward}",
+                       "reward.custom_reward_function.name=crash_in_segment_2"]
+    monkeypatch.setenv("LRSTAB_TEST_SAMPLES_PER_STEP", str(per_step))  # cpu_env copies this process's environment
+    proc, events, run_dir = guard(tmp_path, assets_dir, overrides=overrides, timeout=2400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = [e for e in events if e["event"] == "rollback"]
+    assert first["reason"] == "surge" and second["reason"] == "reward_crash", events
+    final = read_metrics(Path(events[-1]["metrics"]))
+    assert sorted(final) == list(range(1, STEPS + 1))
+    c1, c2 = first["checkpoint_step"], second["checkpoint_step"]
+
+    def scale(update, rb):
+        start, period = rb["decay_from_step"], rb["decay_period"]
+        n = 0 if update <= start else 1 + (update - start - 1) // period
+        return 1.0 if n == 0 else max(0.1, 0.5 ** n)
+
+    # verl logs the LR after stepping: step s shows the LR of update s + 1
+    for s in range(c1 + 1, c2):
+        assert final[s]["actor/lr"] == pytest.approx(LR0 * scale(s + 1, first)), s
+    for s in range(c2 + 1, STEPS + 1):
+        assert final[s]["actor/lr"] == pytest.approx(LR0 * scale(s + 1, second)), s
+    assert scale(c1 + 1, first) == 0.5  # rollback 1: x gamma of the undecayed LR at its checkpoint
+    in_force = scale(c2, first) if c2 > c1 else 1.0  # the LR of update c2 in the kept trajectory
+    assert scale(c2 + 1, second) <= 0.5 * in_force  # rollback 2 compounds
+    assert scale(c2 + 1, second) < scale(c2 + 1, first)  # below the rule of the segment that crashed

@@ -88,7 +88,6 @@ def main(argv=None) -> int:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the guard decides; a terminal's Ctrl-C reaches it
     proc = subprocess.Popen(command, preexec_fn=_child_setup)
     while True:
         if stopping:
