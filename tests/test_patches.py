@@ -12,6 +12,8 @@ SPEC.loader.exec_module(check_verl)
 
 @pytest.mark.parametrize("name,ok,detail", list(check_verl.checks()), ids=lambda v: v if isinstance(v, str) else "")
 def test_verl_target_has_expected_shape(name, ok, detail):
+    if ok is None:  # e.g. Megatron's engine without megatron-core (make install, not install-megatron)
+        pytest.skip(f"{name}: {detail}")
     assert ok, f"{name}: {detail}"
 
 
