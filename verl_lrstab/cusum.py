@@ -74,7 +74,7 @@ MEDIAN_SD = 1.25  # sd of a median of a few values / sd of their mean (~sqrt(pi 
 # (class A's first steps) is no such fall and must not delay the early alarm of a collapse.
 RECOVERY_HIGH = 1.5
 # v4 (issue 33): the figures verl logs on every step, each optional. A co-signal has risen when its
-# median over the last COSIGNAL_NOW_STEPS steps (at least its last observation) is this multiple of
+# median over the last COSIGNAL_NOW_STEPS steps (at least its last 2 observations) is this multiple of
 # its median over the alarm's baseline window. The clip share is not among them: it is the length
 # seen at the cap (a healthy excursion raises it as much), no independent evidence.
 COSIGNAL_RISE = {"entropy": 1.1, "grad_norm": 1.6, "kl_loss": 1.6, "pg_clipfrac": 1.6}
@@ -355,7 +355,9 @@ class CusumDetector:
             past = [r for r in rows if r[0] < step]  # read from the next step on (see observe)
             if not past or not ref > 0:
                 continue
-            now = [v for s, v in past if s >= step - COSIGNAL_NOW_STEPS] or [past[-1][1]]
+            now = [v for s, v in past if s >= step - COSIGNAL_NOW_STEPS]
+            if len(now) < 2:  # a sparse log: its last 2 observations (one noisy batch cannot confirm)
+                now = [v for _, v in past[-2:]]
             up += median(now) >= COSIGNAL_RISE[name] * ref
         self.cosignals_up = up
         return up
