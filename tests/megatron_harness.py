@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import engine_harness as eh  # noqa: E402
 
 
-def actor_rollout_ref_config(model_path: str, scheduler: str, total_steps: int):
+def actor_rollout_ref_config(model_path: str, scheduler: str, total_steps: int, options=()):
     """verl's ``ppo_megatron_trainer`` ``actor_rollout_ref`` node with the CPU overrides."""
     from hydra import compose, initialize_config_module
 
@@ -57,6 +57,7 @@ def actor_rollout_ref_config(model_path: str, scheduler: str, total_steps: int):
     if scheduler == "length_surge":
         overrides.append(f"{a}.actor.optim.lr_decay_style=length_surge")
         overrides += [f"+{a}.actor.optim.length_surge.{k}={v}" for k, v in eh.SURGE_OPTIONS.items()]
+        overrides += [f"++{a}.actor.optim.length_surge.{o}" for o in options]  # KEY=VALUE (lrstab guard's form)
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         return compose(config_name="ppo_megatron_trainer", overrides=overrides).actor_rollout_ref
 
@@ -90,6 +91,8 @@ def main(argv=None) -> None:
     parser.add_argument("--save-at", type=int, default=None)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--resume-from", default=None)
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a length_surge option over SURGE_OPTIONS (repeatable), as lrstab guard passes them")
     args = parser.parse_args(argv)
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
                        ("VERL_PLATFORM", "cpu")):
@@ -102,7 +105,7 @@ def main(argv=None) -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the same arithmetic in every process (resume compares losses)
-    config = actor_rollout_ref_config(args.model, args.scheduler, total_steps=20)
+    config = actor_rollout_ref_config(args.model, args.scheduler, total_steps=20, options=args.option)
     result = {}
     tag = {"tag_steps": args.scheduler == "length_surge"}  # the driver glue tags a length_surge run's batches
     with verl_megatron_on_cpu():

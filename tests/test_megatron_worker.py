@@ -94,6 +94,20 @@ def test_resume_in_a_fresh_process_continues_exactly(model_dir, work_dir, surge_
         assert json.dumps(a["scheduler_state"], sort_keys=True) == json.dumps(b["scheduler_state"], sort_keys=True)
 
 
+def test_a_guard_rollback_on_megatron_keeps_the_lr_rule_under_verls_defaults(model_dir, work_dir, surge_run):
+    # lrstab guard's resume: verl's checkpoint, its overrides (decay from the checkpoint's step, every 3), and
+    # verl's YAML default use_checkpoint_opt_param_scheduler=false left as it is (length_surge turns it on)
+    rolled = run(model_dir, work_dir, "rollback", "--first", str(SAVE_AT + 1), "--steps", str(STEPS),
+                 "--resume-from", surge_run["ckpt"], "--option", f"decay_from_step={SAVE_AT}",
+                 "--option", "decay_period=3")
+    assert rolled["describe"]["use_checkpoint_opt_param_scheduler"] is True
+    lr0 = 1e-3  # the rule written out: the first halving on update SAVE_AT + 1, one more every 3, floor 0.3
+    assert rolled["resumed_lr"] == pytest.approx(0.5 * lr0, rel=1e-12)  # in force on the first update after it
+    logged = [r["metrics"]["lr"][0] for r in rolled["records"]]  # the LR of the next update, after 9..12
+    assert logged == [pytest.approx(x * lr0, rel=1e-12) for x in (0.5, 0.5, 0.3, 0.3)], logged
+    assert [r["step"] for r in rolled["records"]] == list(range(SAVE_AT + 1, STEPS + 1))
+
+
 def test_constant_megatron_run_is_stock(model_dir, work_dir):
     stock = run(model_dir, work_dir, "constant", "--scheduler", "constant", "--steps", "4")
     d = stock["describe"]
