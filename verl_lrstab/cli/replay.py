@@ -22,8 +22,9 @@ from verl_lrstab.cli.common import (
     scheduler_config,
 )
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.runs import MissingMetricError, find_metric, load_run, metric_series
-from verl_lrstab.schedule import ReplayResult, replay
+from verl_lrstab.runs import (MissingMetricError, cosignal_columns, find_metric, load_run, metric_series,
+                              replay_with_cosignals)
+from verl_lrstab.schedule import ReplayResult
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -66,9 +67,12 @@ def replay_run(df, metric: str, config: LengthSurgeConfig, warmup_steps: int = 0
     names = cosignal_names(df, config, kl_metric, score_metric, clip_metric)
     cols = {key: metric_series(df, name).reindex(values.index).tolist() if name else None
             for key, name in names.items()}
-    result = replay(values.index.tolist(), values.tolist(), config, warmup_steps=warmup_steps,
-                    mismatch_kl=cols["kl"], score=cols["score"], clip_ratio=cols["clip"])
-    result.cosignals = {key: name for key, name in names.items() if name}
+    verl = cosignal_columns(df) if config.detector == "cusum" else {}  # v4: entropy, grad norm, KL loss, PPO clip
+    result = replay_with_cosignals(values.index.tolist(), values.tolist(), config, warmup_steps=warmup_steps,
+                                   mismatch_kl=cols["kl"], score=cols["score"], clip_ratio=cols["clip"],
+                                   cosignals={k: metric_series(df, c).reindex(values.index).tolist()
+                                              for k, c in verl.items()})
+    result.cosignals = {**{key: name for key, name in names.items() if name}, **verl}
     return result, values
 
 
