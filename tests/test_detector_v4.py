@@ -161,7 +161,9 @@ def test_one_risen_co_signal_never_confirms_two_do():
     assert fired and 80 <= fired[0] <= 83, fired
 
 
-def test_the_state_round_trips_mid_surge_and_a_v3_checkpoint_still_loads():
+def test_the_state_round_trips_mid_surge_and_a_v3_checkpoint_still_loads(tmp_path):
+    import torch
+
     (tr,) = phenomena.traces(seeds=[0], classes="I")
     whole = run(tr)
     det = CusumDetector()
@@ -169,7 +171,9 @@ def test_the_state_round_trips_mid_surge_and_a_v3_checkpoint_still_loads():
     first = run(phenomena.Trace(**{**tr.__dict__, "length": tr.length[:cut], "score": tr.score[:cut],
                                    "k3": tr.k3[:cut], "clip": tr.clip[:cut],
                                    "cosignals": {k: v[:cut] for k, v in tr.cosignals.items()}}), det=det)
-    state = det.state_dict()
+    torch.save(det.state_dict(), tmp_path / "state.pt")  # plain types: a checkpoint loads with weights_only
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert any(state["co"].values())
     resumed = CusumDetector()
     resumed.load_state_dict(state)
     rest = []
