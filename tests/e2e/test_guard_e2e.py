@@ -155,35 +155,43 @@ def test_killing_the_guard_stops_verl_and_loses_nothing(tmp_path, assets_dir, ma
 
 
 CRASHING_REWARD = '''
-"""The CPU demo's length reward, which in the guard's second launch (segment-2) pays 0 after 4 steps:
-a provoked reward crash after the first rollback (the guard's second trouble)."""
-import os
+"""The CPU demo's length reward, which after the guard's first rollback (its state file says attempt 1)
+pays 0 from the 5th step of the process on: a provoked reward crash, the guard's second trouble."""
+import json
 
 from verl_lrstab.cpu.rewards import longer_is_better
 
 CALLS = [0]
-PER_STEP = int(os.environ.get("LRSTAB_TEST_SAMPLES_PER_STEP", "32"))
+PER_STEP = {per_step}
+STATE = {state!r}
 
 
-def crash_in_segment_2(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+def crash_after_rollback_1(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     CALLS[0] += 1
-    if os.environ.get("VERL_FILE_LOGGER_PATH", "").endswith("segment-2.jsonl") and CALLS[0] > 4 * PER_STEP:
+    try:
+        attempt = json.load(open(STATE))["attempt"]
+    except (OSError, ValueError, KeyError):
+        attempt = 0
+    if attempt == 1 and CALLS[0] > 4 * PER_STEP:
         return 0.0
     return longer_is_better(data_source, solution_str, ground_truth, extra_info, **kwargs)
 '''
 
 
-@pytest.mark.slow  # three main_ppo launches on the 2-core box
-def test_two_rollbacks_in_one_run_each_lowers_the_lr(tmp_path, assets_dir, monkeypatch):
+# three main_ppo launches: slow. Status (issue 34): its first form (the crash keyed on the launch's
+# VERL_FILE_LOGGER_PATH) ran once, 1263 s beside other work, and failed: the guard finished with one
+# rollback, no crash came. This form (keyed on the guard's state file) has not been run yet.
+@pytest.mark.slow
+def test_two_rollbacks_in_one_run_each_lowers_the_lr(tmp_path, assets_dir):
     """Rollback 1 on the demo's surge; in the resumed segment the reward falls to 0 (a provoked crash),
     rollback 2; the LR after each: x gamma of the LR in force at its checkpoint (verl's logged actor/lr)."""
     reward = tmp_path / "crash_reward.py"
-    reward.write_text(CRASHING_REWARD)
     cfg = OmegaConf.load(CONFIG_DIR / "cpu_demo.yaml")
     per_step = int(cfg.data.train_batch_size) * int(cfg.actor_rollout_ref.rollout.n)
+    # the reward reads the guard's state file (the environment of verl's reward worker is not the launch's)
+    reward.write_text(CRASHING_REWARD.format(per_step=per_step, state=str(tmp_path / "run" / "guard" / "guard_state.json")))
     overrides = RUN + [f"reward.custom_reward_function.path={reward}",
-                       "reward.custom_reward_function.name=crash_in_segment_2"]
-    monkeypatch.setenv("LRSTAB_TEST_SAMPLES_PER_STEP", str(per_step))  # cpu_env copies this process's environment
+                       "reward.custom_reward_function.name=crash_after_rollback_1"]
     proc, events, run_dir = guard(tmp_path, assets_dir, overrides=overrides, timeout=2400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = [e for e in events if e["event"] == "rollback"]
