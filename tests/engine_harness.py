@@ -47,6 +47,7 @@ SURGE_OPTIONS = {
     "period_factor": 1.25,
     "gamma": 0.5,
     "min_lr_ratio": 0.3,  # reached at the second halving (0.25 < 0.3)
+    "origin": "start",  # the paper's form, written out in test_engine.expected_lr (the default halves at the surge)
 }
 ROWS_PER_RANK = 8
 MINI_BATCHES = 2  # optimizer steps per actor update: the signal must cover the whole batch
