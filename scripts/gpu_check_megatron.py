@@ -20,7 +20,7 @@ import traceback
 import torch
 
 FAST = {"detector": "ratio", "skip_first_steps": 0, "fast_window": 1, "baseline_window": 2, "horizon": 3,
-        "patience": 1}
+        "patience": 1, "origin": "start"}  # the paper's form, whose halvings at P, 2P the checks write out
 LENGTHS = [100.0] * 6 + [300.0] * 14  # surge at update 7 -> P = round(1.8 * 7) = 13
 LR, WD, SAVE_AT = 1e-3, 0.1, 12
 results = []
