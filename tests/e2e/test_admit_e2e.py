@@ -31,9 +31,9 @@ NOISE = "actor_rollout_ref.rollout.engine_kwargs.transformers"
 def test_admit_ranks_two_samplers_and_reports_a_bad_candidate(tmp_path, assets_dir):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    cmd = [sys.executable, "-m", "verl_lrstab.cli", "admit", "--steps", "4", "--budget", "1e-6", "--out",
+    cmd = [sys.executable, "-m", "verl_lrstab.cli", "admit", "--steps", "6", "--budget", "1e-6", "--out",
            str(run_dir / "admit"),
-           "--candidate", f"fp32=actor_rollout_ref.rollout.dtype=float32 trainer.save_freq=4 "
+           "--candidate", f"fp32=actor_rollout_ref.rollout.dtype=float32 trainer.save_freq=6 "
                           f"trainer.default_local_dir={run_dir / 'ckpt'} "
                           "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
            "--candidate", f"bf16=actor_rollout_ref.rollout.dtype=bfloat16 {NOISE}.weight_noise=0.002 "
@@ -48,7 +48,7 @@ def test_admit_ranks_two_samplers_and_reports_a_bad_candidate(tmp_path, assets_d
     data = json.loads(open(report_path).read())
     by = {c["name"]: c for c in data["candidates"]}
     assert data["budget"] == {"value": 1e-6, "source": "fixed", "reference": None, "factor": None}
-    assert by["fp32"]["steps"] == by["bf16"]["steps"] == 4
+    assert by["fp32"]["steps"] == by["bf16"]["steps"] == 6
     assert by["fp32"]["k3"] < 1e-6 < by["bf16"]["k3"]
     assert (by["fp32"]["verdict"], by["bf16"]["verdict"], by["typo"]["verdict"]) == ("admit", "reject", "failed")
     assert "no_such_key" in by["typo"]["error"] and by["typo"]["k3"] is None
@@ -64,9 +64,9 @@ def test_admit_ranks_two_samplers_and_reports_a_bad_candidate(tmp_path, assets_d
     for r in rows:
         assert r["actor/mismatch/k3"] == pytest.approx(r["rollout_corr/k3_kl"], rel=2e-2, abs=5e-8)
     assert by["bf16"]["k3"] == statistics.median(r["actor/mismatch/k3"] for r in rows)  # the verdict's figure
-    # ... and no weight moved: the checkpoint after 4 steps is the model it started from, bit for bit
+    # ... and no weight moved: the checkpoint after 6 steps is the model it started from, bit for bit
     before = load_file(assets_dir / "model" / "model.safetensors")
-    after = load_file(run_dir / "ckpt" / "global_step_4" / "actor" / "huggingface" / "model.safetensors")
+    after = load_file(run_dir / "ckpt" / "global_step_6" / "actor" / "huggingface" / "model.safetensors")
     assert set(after) <= set(before) and len(after) >= len(before) - 1  # tied lm_head may be left out
     changed = [k for k in after if not torch.equal(after[k].to(before[k].dtype), before[k])]
     assert not changed, changed
