@@ -325,33 +325,7 @@ def replay_with_cosignals(steps, values, config=None, warmup_steps: int = 0, mis
     (it has an update's figures only after the update); the detector reads them from the next
     step on, so the order does not change a decision.
     """
-    from verl_lrstab.schedule import LengthSurgeSchedule, ReplayResult, replay, warmup_scale
+    from verl_lrstab.schedule import replay
 
-    cosignals = {k: list(v) for k, v in (cosignals or {}).items() if v is not None}
-    if not cosignals:
-        return replay(steps, values, config, warmup_steps, mismatch_kl=mismatch_kl, score=score,
-                      clip_ratio=clip_ratio)
-    steps = [int(s) for s in steps]
-    columns = []
-    for name, col in (("values", values), ("mismatch_kl", mismatch_kl), ("score", score),
-                      ("clip_ratio", clip_ratio), *cosignals.items()):
-        col = list(col) if col is not None else [None] * len(steps)
-        if len(col) != len(steps):
-            raise ValueError(f"steps and {name} differ in length: {len(steps)} != {len(col)}")
-        columns.append(col)
-    schedule = LengthSurgeSchedule(config, warmup_steps=warmup_steps)
-    observe = getattr(schedule.detector, "observe", None)  # detector: ratio reads the length only
-    result = ReplayResult(surge_step=None, decay_period=None)
-    for step, value, kl, sc, clip, *extra in zip(steps, *columns):
-        result.steps.append(step)
-        result.lr_scale.append(warmup_scale(step - 1, warmup_steps) * schedule.decay_scale(step))
-        schedule.observe(step, value, kl, score=sc, clip_ratio=clip)
-        if observe is not None:
-            observe(step, **dict(zip(cosignals, extra)))
-        result.baseline.append(schedule.detector.baseline)
-        result.ratio.append(schedule.detector.ratio)
-        result.cusum.append(getattr(schedule.detector, "cusum", math.nan))
-    result.surge_step = schedule.surge_step
-    result.trigger_step = schedule.trigger_step
-    result.decay_period = schedule.decay_period
-    return result
+    return replay(steps, values, config, warmup_steps, mismatch_kl=mismatch_kl, score=score, clip_ratio=clip_ratio,
+                  cosignals=cosignals)

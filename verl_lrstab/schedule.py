@@ -336,27 +336,36 @@ class ReplayResult:
 def replay(steps: Iterable[int], values: Iterable[Optional[float]],
            config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None, warmup_steps: int = 0,
            mismatch_kl: Optional[Iterable[Optional[float]]] = None, score: Optional[Iterable[Optional[float]]] = None,
-           clip_ratio: Optional[Iterable[Optional[float]]] = None) -> ReplayResult:
+           clip_ratio: Optional[Iterable[Optional[float]]] = None,
+           cosignals: Optional[Mapping[str, Iterable[Optional[float]]]] = None) -> ReplayResult:
     """Feed a logged series (step numbers as logged) through :class:`LengthSurgeSchedule`.
 
     ``mismatch_kl``, ``score`` and ``clip_ratio`` are aligned with ``steps`` (None/NaN where a
-    step did not log them); left out, they are unavailable.
+    step did not log them); left out, they are unavailable. ``cosignals`` (``{name: column}``,
+    detector v4's: ``entropy``, ``grad_norm``, ``kl_loss``, ``pg_clipfrac``) are handed to the
+    detector after each step's own decision, as the trainer does (it has an update's figures
+    only after the update); ``detector: ratio`` reads the length only.
     """
     steps = [int(s) for s in steps]
     values = list(values)
     columns = []
-    for name, col in (("values", values), ("mismatch_kl", mismatch_kl), ("score", score), ("clip_ratio", clip_ratio)):
+    cosignals = {k: v for k, v in (cosignals or {}).items() if v is not None}
+    for name, col in (("values", values), ("mismatch_kl", mismatch_kl), ("score", score), ("clip_ratio", clip_ratio),
+                      *cosignals.items()):
         col = list(col) if col is not None else [None] * len(steps)
         if len(col) != len(steps):
             raise ValueError(f"steps and {name} differ in length: {len(steps)} != {len(col)}")
         columns.append(col)
     schedule = LengthSurgeSchedule(config, warmup_steps=warmup_steps)
+    observe = getattr(schedule.detector, "observe", None) if cosignals else None
     result = ReplayResult(surge_step=None, decay_period=None)
-    for step, value, kl, sc, clip in zip(steps, *columns):
+    for step, value, kl, sc, clip, *extra in zip(steps, *columns):
         result.steps.append(step)
         # In force at `step`: decided before this step's own figures are seen.
         result.lr_scale.append(warmup_scale(step - 1, warmup_steps) * schedule.decay_scale(step))
         schedule.observe(step, value, kl, score=sc, clip_ratio=clip)
+        if observe is not None:
+            observe(step, **dict(zip(cosignals, extra)))
         result.baseline.append(schedule.detector.baseline)
         result.ratio.append(schedule.detector.ratio)
         result.cusum.append(getattr(schedule.detector, "cusum", math.nan))
