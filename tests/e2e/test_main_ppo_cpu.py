@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.glue.signals import UPDATE_FIGURES
 from verl_lrstab.cpu.launch import CONFIG_DIR
 from verl_lrstab.schedule import replay
 from verl_lrstab.scheduler import LengthSurgeLR
@@ -206,6 +207,10 @@ def step_as_logged(scheduler: LengthSurgeLR, data: dict) -> None:
     scheduler.pending_score = data.get("actor/lrstab/score")  # the co-signals the glue fed (critic/score/mean,
     scheduler.pending_clip_ratio = data.get("actor/lrstab/clip_ratio")  # the share at the cap)
     scheduler.step(data["actor/lrstab/response_length"], kl)
+    # detector v4's co-signals: the glue observes them under the step just taken, after its LR step
+    cosignals = {name: data[f"actor/lrstab/{name}"] for name in UPDATE_FIGURES if f"actor/lrstab/{name}" in data}
+    if cosignals:
+        scheduler.schedule.detector.observe(scheduler.schedule.detector.last_step, **cosignals)
 
 
 def same(a, b) -> bool:
