@@ -121,8 +121,14 @@ def length_buckets(dfs: dict[float, pd.DataFrame], n: int = 3) -> pd.DataFrame:
 def _markdown(df: pd.DataFrame) -> str:
     head = [df.index.name or ""] + [str(c) for c in df.columns]
     rows = [[format(i, "g") if isinstance(i, float) else str(i)]
-            + ["-" if pd.isna(v) else format(v, ".3g") for v in r] for i, r in zip(df.index, df.values)]
+            + [_cell(v) for v in r] for i, r in zip(df.index, df.values)]
     return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
+
+
+def _cell(v) -> str:
+    if isinstance(v, str):
+        return v
+    return "-" if pd.isna(v) else format(v, ".3g")
 
 
 def figure(dfs: dict[float, pd.DataFrame], path: Path) -> Path:

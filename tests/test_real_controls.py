@@ -1,0 +1,77 @@
+"""The controls' report (scripts/repro/real_controls.py): each control paired with the run that differs in that one
+field, and the verdict rule written before run A started (scripts/repro/real_results/PLAN_stop39.md).
+
+Runs are written with verl's own file logger (``verl.utils.tracking.Tracking``), as ``real_pilot.py`` leaves them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from repro import real_controls  # noqa: E402
+
+SHAPE = {"prompts": 2, "samples": 6, "max_response_length": 192, "seed": 1, "sampler_temperature": 1.0, "steps": 20}
+
+
+def make_run(root: Path, monkeypatch, name: str, lengths: list[float], k3: float, **info) -> Path:
+    from verl.utils.tracking import Tracking
+
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"name": name, **SHAPE, **info}))
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(run / "metrics.part1.jsonl"))
+    tracker = Tracking(project_name="p", experiment_name=name, default_backend=["file"])
+    for step, length in enumerate(lengths, start=1):
+        tracker.log({"response_length/mean": length, "actor/mismatch/k3": k3, "actor/entropy": 1.0,
+                     "critic/score/mean": 0.1, "actor/grad_norm": 0.0 if step % 2 else 1.0}, step=step)
+    tracker.finish()
+    return run
+
+
+@pytest.mark.parametrize("k3, lr0_k3, tail, expected", [
+    (5e-11, 7e-4, 91.0, "the surge needs the mismatch"),
+    (5e-11, 7e-4, 100.0, "the surge needs the mismatch"),        # the bound is inclusive (<= 100 tokens)
+    (5e-11, 7e-4, 150.0, "the surge does not need the mismatch"),  # and so is this one (>= 150)
+    (5e-11, 7e-4, 120.0, "inconclusive"),
+    (1e-4, 7e-4, 91.0, "uninformative"),     # k3 above a tenth of LR 0's: the control removed no mismatch
+    (5e-11, None, 91.0, "uninformative"),    # no LR-0 run to judge the control's k3 against
+    (float("nan"), 7e-4, 91.0, "uninformative"),
+])
+def test_the_pre_registered_rule(k3, lr0_k3, tail, expected):
+    assert real_controls.verdict(k3, lr0_k3, tail).startswith(expected)
+
+
+def test_a_control_is_paired_with_the_run_differing_in_that_field_only(tmp_path, monkeypatch):
+    flat, surge = [60.0] * 20, [60.0] * 10 + [190.0] * 10
+    ref = make_run(tmp_path, monkeypatch, "ref", surge, 2.6e-3, lr=1e-4, mode="recompute", sampler_dtype="bf16")
+    ctl = make_run(tmp_path, monkeypatch, "fp32", [60.0] * 15 + [90.0] * 5, 5e-11, lr=1e-4, mode="recompute",
+                   sampler_dtype="fp32")
+    lr0 = make_run(tmp_path, monkeypatch, "lr0", flat, 7e-4, lr=0.0, mode="recompute", sampler_dtype="bf16")
+    # not pairable: another LR; another shape (and so another LR-0 control)
+    make_run(tmp_path, monkeypatch, "other_lr", surge, 2e-3, lr=3e-5, mode="recompute", sampler_dtype="bf16")
+    make_run(tmp_path, monkeypatch, "other_seed", flat, 5e-11, lr=1e-4, mode="recompute", sampler_dtype="fp32", seed=2)
+    pairs = real_controls.pair_controls(sorted(tmp_path.iterdir()))
+    assert pairs == [(ctl, ref, "sampler_dtype", lr0)]
+
+    row = real_controls.row(ctl)
+    assert row["length last 5"] == pytest.approx(90.0)
+    assert row["length first 5"] == pytest.approx(60.0)
+    assert row["zero-gradient share"] == pytest.approx(0.5)  # odd steps logged a zero grad norm
+
+    out = real_controls.report(sorted(tmp_path.iterdir()), tmp_path / "report")
+    text = out.read_text()
+    assert "control fp32 (sampler_dtype = fp32) against ref" in text
+    assert "pre-registered verdict: the surge needs the mismatch" in text
+    assert (tmp_path / "report" / "controls.png").stat().st_size > 10_000
+
+
+def test_a_recompute_control_of_a_bypass_run(tmp_path, monkeypatch):
+    ref = make_run(tmp_path, monkeypatch, "bp", [60.0] * 20, 2e-2, lr=1e-5, mode="bypass", sampler_dtype="bf16")
+    ctl = make_run(tmp_path, monkeypatch, "rc", [60.0] * 20, 2e-2, lr=1e-5, mode="recompute", sampler_dtype="bf16")
+    assert real_controls.pair_controls([ref, ctl]) == [(ctl, ref, "mode", None)]
+    assert real_controls.report([ref, ctl], tmp_path / "report").read_text().count("uninformative") == 1
