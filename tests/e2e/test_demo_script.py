@@ -1,4 +1,5 @@
-"""`make demo`'s driver keeps its contract: progress per step, a PNG, the metrics JSONL as the last line."""
+"""`make demo` as users run it (V1, the default 40 steps, the default `cusum` detector): progress per step, the
+surge detected and the LR decayed by the default rule, a PNG, the metrics JSONL as the last line (slow: ~6 min)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,35 @@ from verl_lrstab.cpu.launch import REPO_ROOT, read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+STEPS = 40  # scripts/demo.py's default: what `make demo` runs
+# where the default detector may fire on the demo's provoked surge: 15 here, 14-17 on other machines (measured);
+# the window leaves room for another machine's float kernels, and for two halvings after it
+SURGE_WINDOW = range(11, 31)
 
-def test_demo_prints_the_metrics_path_last(tmp_path, assets_dir):
+
+def test_make_demo_detects_the_surge_decays_the_lr_and_prints_the_metrics_path_last(tmp_path, assets_dir):
     out = tmp_path / "demo"
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "demo.py"), "--steps", "14", "--trainer", "v0",
-           "--out", str(out), "--assets", str(assets_dir), "--timeout", "300"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "demo.py"), "--out", str(out), "--assets", str(assets_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     metrics_path = Path(lines[-1])
     assert metrics_path.is_absolute() and metrics_path == (out / "metrics.jsonl").resolve()
     metrics = read_metrics(metrics_path)
-    assert sorted(metrics) == list(range(1, 15))
-    assert sum("step " in line and "/14" in line for line in lines) == 14  # one progress line per step
+    assert sorted(metrics) == list(range(1, STEPS + 1))
+    assert sum("step " in line and f"/{STEPS}" in line for line in lines) == STEPS  # one progress line per step
     assert (out / "length_and_lr.png").stat().st_size > 10_000
+    # verl's V1 trainer (the demo's default) ran, through Hydra's recorded overrides; then the default rule
+    assert "V1 trainer" in proc.stdout
+    assert "trainer.use_v1=True" in (out / "hydra" / ".hydra" / "overrides.yaml").read_text()
+    surge = {s: int(d["actor/lrstab/surge_step"]) for s, d in metrics.items()}
+    fired = [s for s in sorted(surge) if surge[s] >= 0]
+    assert fired and surge[fired[0]] in SURGE_WINDOW, surge
+    t, period = surge[fired[0]], int(metrics[fired[0]]["actor/lrstab/decay_period"])
+    assert f"surge detected at step {t}" in proc.stdout
+    lr0 = metrics[1]["actor/lr"]
+    for step, d in metrics.items():
+        update = step + 1  # verl logs the LR after stepping: the LR of the next update
+        n = 0 if update <= t else 1 + (update - t - 1) // period
+        assert d["actor/lr"] == pytest.approx(lr0 * max(0.1, 0.5**n), rel=1e-9), (step, t, period)
+    assert metrics[STEPS]["actor/lr"] < lr0

@@ -10,6 +10,7 @@ finish with a continuous trajectory; with ``--max-rollbacks 0`` it must stop wit
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from verl_lrstab.cpu.launch import CONFIG_DIR, cpu_env
+from verl_lrstab.cpu.launch import CONFIG_DIR, REPO_ROOT, cpu_env
 from verl_lrstab.runs import read_metrics
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +43,26 @@ def guard(tmp_path: Path, assets_dir: Path, *options: str, overrides=RUN, timeou
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory, assets_dir):
-    return guard(tmp_path_factory.mktemp("guard"), assets_dir)
+    """``make demo-guard``'s own script in a small form, which is this module's run (V1, STEPS steps, saved every
+    SAVE_FREQ, the demo config's LR = LR0, monitor_only): the demo users run is what CI checks."""
+    run_dir = tmp_path_factory.mktemp("guard") / "run"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "demo_guard.py"), "--steps", str(STEPS),
+           "--save-freq", str(SAVE_FREQ), "--out", str(run_dir)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, "LRSTAB_ASSETS": str(assets_dir)},
+                          capture_output=True, text=True, timeout=1500)
+    events_file = run_dir / "guard" / "lrstab_events.jsonl"
+    assert events_file.exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
+    events = [json.loads(line) for line in events_file.read_text().splitlines()]
+    return proc, events, run_dir
+
+
+def test_the_demo_reports_the_rollback_and_draws_the_trajectory(guarded):
+    proc, events, run_dir = guarded
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rb = next(e for e in events if e["event"] == "rollback")
+    assert f"rollback at step {rb['step']}" in proc.stdout and "guard status 0" in proc.stdout
+    # lrstab compare's figure of the final trajectory (the abandoned segment greyed, the rollback marked)
+    assert [p for p in (run_dir / "guard" / "compare").glob("*.png") if p.stat().st_size > 10_000]
 
 
 def test_the_guard_rolls_back_to_a_checkpoint_before_the_onset_and_finishes(guarded):
@@ -126,9 +146,10 @@ def test_a_run_without_trouble_is_the_unguarded_run(tmp_path, assets_dir, main_p
 
 @pytest.mark.slow
 def test_killing_the_guard_stops_verl_and_loses_nothing(tmp_path, assets_dir, main_ppo):
-    import os
     import signal
     import time
+
+    import psutil
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -136,14 +157,21 @@ def test_killing_the_guard_stops_verl_and_loses_nothing(tmp_path, assets_dir, ma
     cmd = [sys.executable, "-m", "verl_lrstab.cli", "guard", "--run-dir", str(run_dir / "guard"), "--",
            sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(CONFIG_DIR), "--config-name",
            "cpu_demo", f"hydra.run.dir={run_dir / 'hydra'}", *RUN]
-    proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 900
     while not (latest.exists() and int(latest.read_text()) >= 2 * SAVE_FREQ) and time.monotonic() < deadline:
         time.sleep(2)
-    proc.send_signal(signal.SIGTERM)
+    # everything the guard started: verl's driver and Ray's local daemons (gcs_server, raylet, its workers),
+    # found by descent, so another Ray cluster on the machine is not counted
+    spawned = psutil.Process(proc.pid).children(recursive=True)
+    names = " ".join(p.name() for p in spawned)
+    assert "raylet" in names and "gcs_server" in names, names
+    proc.send_signal(signal.SIGKILL)  # no handler runs: the watchdog must stop them
     assert proc.wait(timeout=120) != 0
-    time.sleep(5)
+    _, alive = psutil.wait_procs(spawned, timeout=60)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"outlived the guard: {[(p.pid, p.name()) for p in alive]}"
     leftover = subprocess.run(["pgrep", "-f", f"hydra.run.dir={run_dir / 'hydra'}"], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", "verl outlived the guard"
     saved = int(latest.read_text())
