@@ -82,8 +82,11 @@ COSIGNALS = tuple(COSIGNAL_RISE)
 COSIGNAL_NOW_STEPS = 3  # median of 3: one odd batch (a grad-norm spike) cannot move it
 COSIGNAL_VOTES = 2  # this many risen co-signals confirm a surge; one alone (a grad-norm spike) never does
 # A rebound whose score collapses is no rebound (v4): the score's latest observation at most this
-# share of its pre-alarm level, and COLLAPSE_Z x score_z noise units below it.
-COLLAPSE_SHARE = 0.6
+# share of its pre-alarm level, and COLLAPSE_Z x score_z noise units below it (the noise test is the
+# guard; the share only keeps a near-noiseless score's tiny dip out). 0.8, not 0.6: the collapse's
+# first step, not its second (class K: a step earlier in the median seed, the same detections on
+# every other class and form, 0 false alarms; scripts/bench_detector.py).
+COLLAPSE_SHARE = 0.8
 COLLAPSE_Z = 1.0
 
 
