@@ -101,8 +101,8 @@ def test_config_passes_verl_checks(arm, overrides):
         assert isinstance(actor.optim.length_surge, LengthSurgeConfig)
         assert actor.optim.length_surge.decay_period == (198 if arm == "paper_length_surge_fixed" else None)
         # The paper's online arms count the halvings from the start (as published); the others act at the surge.
-        paper_online = arm in ("paper_length_surge", "paper_length_surge_tis", "megatron_length_surge")
-        assert actor.optim.length_surge.origin == ("start" if paper_online else "surge")
+        paper = arm in ("paper_length_surge", "paper_length_surge_tis", "megatron_length_surge", "paper_length_surge_fixed")
+        assert actor.optim.length_surge.origin == ("start" if paper else "surge")
         # The other options the YAML shows are the defaults (the comments say so).
         shown = OmegaConf.to_container(cfg.actor_rollout_ref.actor.optim.length_surge)
         defaults = LengthSurgeConfig().to_dict()

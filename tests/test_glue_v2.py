@@ -291,6 +291,8 @@ def test_verls_own_post_init_runs_for_stock_and_length_surge_configs(monkeypatch
      r"length_surge\.period_factor=1\.2 is invalid in training.*not read: a fixed decay_period=20"),
     ({"length_surge": {"monitor_only": True, "decay_period": 20}},
      r"length_surge\.decay_period=20 is invalid in training: allowed values are its default None.*monitor_only"),
+    ({"length_surge": {"decay_period": 20, "origin": "surge"}},
+     r"length_surge\.origin='surge' is invalid beside a fixed decay_period=20: allowed values are 'start' or leaving"),
 ])
 def test_what_length_surge_does_not_read_is_refused_naming_it(kwargs, message):
     from verl.workers.config import FSDPOptimizerConfig
@@ -308,7 +310,7 @@ def test_verls_defaults_for_the_unread_options_are_accepted():
     FSDPOptimizerConfig(lr=1e-6, lr_scheduler_type="length_surge", length_surge={"patience": 5, "trigger": "either"})
     # what is read stays accepted: the paper's second run (a base YAML names the defaults), the guard's
     # rollback (its period came from period_factor), a monitor naming the defaults
-    for options in ({"decay_period": 198, "period_factor": 1.8, "origin": "surge", "gamma": 0.5},
+    for options in ({"decay_period": 198, "period_factor": 1.8, "gamma": 0.5},
                     {"decay_period": 198, "origin": "start"},
                     {"decay_period": 27, "decay_from_step": 8, "period_factor": 1.2},
                     {"monitor_only": True, "gamma": 0.7, "period_factor": 0.5, "origin": "start"}):  # lrstab guard's

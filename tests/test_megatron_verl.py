@@ -51,10 +51,10 @@ def test_megatrons_own_key_selects_the_paper_defaults_and_exact_resume():
 
 
 def test_fsdp_key_and_options_node_work_on_megatron_too():
-    optim = megatron_actor(f"+{OPTIM}.lr_scheduler_type=length_surge", f"+{OPTIM}.length_surge.origin=surge",
+    optim = megatron_actor(f"+{OPTIM}.lr_scheduler_type=length_surge", f"+{OPTIM}.length_surge.origin=start",
                            f"+{OPTIM}.length_surge.decay_period=50").optim
     assert optim.lr_decay_style == "length_surge"
-    assert optim.length_surge.origin == "surge" and optim.length_surge.decay_period == 50
+    assert optim.length_surge.origin == "start" and optim.length_surge.decay_period == 50
 
 
 def test_stock_megatron_config_is_unchanged():

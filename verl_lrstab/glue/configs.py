@@ -61,11 +61,11 @@ def length_surge_options(options) -> LengthSurgeConfig:
     Refused when set away from its default, naming the key: ``max_surges`` (the schedule follows
     the first surge); beside a fixed ``decay_period`` (the paper's second run; not with the
     guard's ``decay_from_step``, whose period the guard computed from ``period_factor``)
-    ``period_factor``; under ``monitor_only`` ``decay_period``. Not refused, though a plain run
-    does not read them: ``origin`` beside a fixed ``decay_period`` (it cannot be told apart from
-    its default, ``surge``, which base YAMLs name; the fixed period counts from step 0, as
-    ``origin: start``), and ``gamma`` / ``min_lr_ratio`` / ``period_factor`` / ``origin`` under
-    ``monitor_only`` (``lrstab guard`` resumes such a run with the decay on and reads them).
+    ``period_factor``, and ``origin: surge`` set explicitly (a fixed period counts its halvings
+    from step 0: ``origin: start`` or unset; the package's YAMLs leave it unset); under
+    ``monitor_only`` ``decay_period``. Not refused, though a plain run does not read them:
+    ``gamma`` / ``min_lr_ratio`` / ``period_factor`` / ``origin`` under ``monitor_only``
+    (``lrstab guard`` resumes such a run with the decay on and reads them).
     """
     config = LengthSurgeConfig.from_dict(plain(options))
     defaults = LengthSurgeConfig()
@@ -79,6 +79,11 @@ def length_surge_options(options) -> LengthSurgeConfig:
         unread["period_factor"] = (f"a fixed decay_period={config.decay_period} halves the LR every "
                                    f"{config.decay_period} steps from step 0; period_factor sets a period from "
                                    "the detected surge, used without decay_period")
+        if config.is_given("origin") and config.origin != "start":
+            raise ValueError(f"{OPTIM}.length_surge.origin={config.origin!r} is invalid beside a fixed "
+                             f"decay_period={config.decay_period}: allowed values are 'start' or leaving origin unset "
+                             f"(a fixed period halves the LR every {config.decay_period} steps counted from step 0, "
+                             "the paper's second run; the detector only reports)")
     for key, why in unread.items():
         value, default = getattr(config, key), getattr(defaults, key)
         if value != default:
