@@ -124,7 +124,7 @@ bench: install
 
 ## CPU-scale reproduction of a mismatch collapse (scripts/repro/README.md): verl's vLLM rollout (bf16),
 ## bypass mode, 6 arms x 3 seeds; repro-ci is its small form (tests/e2e/test_repro_ci.py: make test-e2e
-## runs it as is, make test on one arm). Issue 6's table (injected weight noise): scripts/repro/all.py --recipe noise.
+## runs it as is and on one arm). Issue 6's table (injected weight noise): scripts/repro/all.py --recipe noise.
 repro: install install-vllm
 	$(PY) scripts/repro/all.py
 
