@@ -14,7 +14,8 @@ the cap, the score, k3, PPO's clip fraction, the entropy and the grad norm: ``--
 and ``pilots.png``
 (length, score, k3 and the longest response against the step, one colour per run); then the
 dose-response (``real_dose.py``: ``dose.md``, ``dose.png``) and the controls (``real_controls.py``:
-``controls.md``, ``controls.png``) among the runs.
+``controls.md``, ``controls.png``) and stage 0's go / no-go (``real_stage0.py``: ``stage0.md``,
+``stage0.png``) among the runs.
 
 A pilot's outputs (checkpoints, logs) are large and not kept; what the report needs is: each run
 read from ``outputs/`` is archived into ``scripts/repro/real_results/<run>/`` (``metrics.jsonl.gz``,
@@ -32,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
-from repro import real_controls, real_dose  # noqa: E402
+from repro import real_controls, real_dose, real_stage0  # noqa: E402
 from repro.real_pilot import ARCHIVE, OUT, archive, metrics_file  # noqa: E402,F401  (archive: also this module's API)
 
 from verl_lrstab.cpu.launch import REPO_ROOT  # noqa: E402
@@ -183,6 +184,7 @@ def main(argv=None) -> int:
     print(figure(runs, args.out / "pilots.png"))
     real_dose.report(runs, args.out)  # the dose-response runs among them (issue 32): dose.md, dose.png
     real_controls.report(runs, args.out)  # each control against its reference (issue 32): controls.md, .png
+    real_stage0.report(runs, args.out)  # stage 0's go / no-go (issue 32): stage0.md, stage0.png
     return 0
 
 

@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""Stage 0 of issue 32 on the real model: does a length surge follow learning? The pre-registered go / no-go.
+
+Usage: python scripts/repro/real_stage0.py [RUN_DIR ...] [--out outputs/repro/real/report]
+
+A stage-0 run is a ``real_pilot.py`` run in bypass mode with the sampler between the one that
+learns without a surge (1.0x) and the one that surges without learning (1.1x): its
+``sampler_temperature`` is strictly between 1 and 1.1. The rule was written before the first such
+run started (``scripts/repro/real_results/PLAN_2026-12-03.md``), nothing fitted after. Go when all
+three hold:
+
+1. *it learns*: the best 10-step mean of the training score (``critic/score/mean``) over windows
+   after step 10 is positive and at least twice the mean over steps 1-10;
+2. *the detector fires* (``actor/lrstab/surge_step``, logged by ``monitor_only``) at step <= 45;
+3. *after the learning*: the surge step is after the start of that best window.
+
+Each run is shown beside its control, the same run with the 1.0x sampler (same shape, LR, seed
+and mode), where one is archived. Writes ``stage0.md`` (the rule's numbers, the verdict, which
+condition failed) and ``stage0.png`` (length, score, k3, entropy against the step; the surge marked).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
+import pandas as pd  # noqa: E402
+
+from repro.real_dose import ENTROPY, K3, LENGTH, SCORE, _markdown, main_for, publish, run_info, save_figure  # noqa: E402
+from repro.real_pilot import metrics_file  # noqa: E402
+
+from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
+from verl_lrstab.runs import load_run  # noqa: E402
+
+SURGE = "actor/lrstab/surge_step"
+# The pre-registered thresholds (PLAN_2026-12-03.md).
+WINDOW = 10  # steps of the score's first and best windows
+LEARN_FACTOR = 2.0
+LATEST_SURGE = 45
+TEMPERATURES = (1.0, 1.1)  # a stage-0 sampler lies strictly between these
+SAME = ("prompts", "samples", "max_response_length", "seed", "lr", "mode", "sampler_dtype")
+
+
+def is_stage0(info: dict) -> bool:
+    t = float(info.get("sampler_temperature", 1.0))
+    return info.get("mode") == "bypass" and TEMPERATURES[0] < t < TEMPERATURES[1]
+
+
+def first_surge(surge: pd.Series) -> int | None:
+    """The detection step the detector reported first (``surge_step`` is -1 until it fires), or None."""
+    fired = surge.dropna()
+    fired = fired[fired >= 0]
+    return int(fired.iloc[0]) if len(fired) else None
+
+
+def verdict(score: pd.Series, surge_step: int | None) -> dict:
+    """The go / no-go of the module docstring from the per-step score (indexed by step) and the first surge step."""
+    score = score.dropna().sort_index()
+    first = float(score[score.index <= WINDOW].mean()) if len(score) else math.nan
+    later = score[score.index > WINDOW]
+    rolling = later.rolling(WINDOW).mean().dropna()
+    best = float(rolling.max()) if len(rolling) else math.nan
+    # the window's start: the step WINDOW - 1 rows before the row where the best mean ends
+    best_start = int(later.index[later.index.get_loc(rolling.idxmax()) - WINDOW + 1]) if len(rolling) else None
+    learns = bool(len(rolling)) and best > 0 and best >= LEARN_FACTOR * first
+    fires = surge_step is not None and surge_step <= LATEST_SURGE
+    after = fires and best_start is not None and surge_step > best_start
+    failed = [name for name, ok in (("learns", learns), ("fires by step 45", fires), ("fires after the learning", after))
+              if not ok]
+    return {"score steps 1-10": first, "best 10-step score after step 10": best, "best window starts": best_start,
+            "surge step": surge_step, "steps": int(score.index.max()) if len(score) else 0,
+            "verdict": "go" if not failed else "no-go (" + ", ".join(f"not: {f}" for f in failed) + ")"}
+
+
+def control_of(run_dir: Path, candidates: list[Path]) -> Path | None:
+    """The run of the same shape, LR, seed and mode with the 1.0x sampler, or None."""
+    info = run_info(run_dir)
+    for c in candidates:
+        j = run_info(c)
+        if c != run_dir and float(j.get("sampler_temperature", 1.0)) == 1.0 \
+                and all(j.get(k) == info.get(k) for k in SAME):
+            return c
+    return None
+
+
+def _frame(run_dir: Path) -> pd.DataFrame:
+    df = load_run(metrics_file(run_dir))
+    return df[df.index >= 1]  # step 0: verl's validation before training
+
+
+def row(run_dir: Path) -> dict:
+    df = _frame(run_dir)
+    planned = run_info(run_dir).get("steps")
+    out = {"run": run_dir.name, **verdict(df[SCORE] if SCORE in df else pd.Series(dtype=float),
+                                          first_surge(df[SURGE]) if SURGE in df else None)}
+    if planned and out["steps"] < planned:
+        out["verdict"] += f", on {out['steps']} of {planned} steps"
+    return out
+
+
+def figure(pairs: list[tuple[Path, Path | None]], path: Path) -> Path:
+    keys = (LENGTH, SCORE, K3, ENTROPY)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 10), sharex=True)
+    for run_dir, control in pairs:
+        for d, style in ((run_dir, "-"), (control, ":")):
+            if d is None:
+                continue
+            df = _frame(d)
+            surge = first_surge(df[SURGE]) if SURGE in df else None
+            for ax, key in zip(axes, keys):
+                if key in df:
+                    s = df[key].dropna()
+                    line, = ax.plot(s.index, s, style, marker="o", ms=2, label=d.name)
+                    if surge is not None:
+                        ax.axvline(surge, color=line.get_color(), ls="--", lw=1)
+                ax.set_ylabel(key)
+    axes[0].legend(fontsize=7)
+    axes[2].set_yscale("log")
+    axes[-1].set_xlabel("RL step (dashed: the detector's surge step)")
+    fig.suptitle("Stage 0 (issue 32): a surge that follows learning?\nSmolLM2-135M-Instruct, bypass mode, vLLM-CPU bf16")
+    return save_figure(fig, path)
+
+
+def report(candidates: list[Path], out: Path) -> Path | None:
+    runs = [d for d in candidates if is_stage0(run_info(d))]
+    if not runs:
+        print("stage0: no stage-0 run (bypass mode, a sampler between 1.0x and 1.1x)")
+        return None
+    pairs = [(d, control_of(d, candidates)) for d in runs]
+    rows = [row(d) for d, _ in pairs] + [row(c) for _, c in pairs if c is not None]
+    text = ("Stage 0, the pre-registered rule (PLAN_2026-12-03.md); a control row (1.0x sampler) is judged by the "
+            "same rule for comparison.\n\n" + _markdown(pd.DataFrame(rows).set_index("run")) + "\n")
+    return publish(text, out, "stage0", lambda path: figure(pairs, path))
+
+
+main = main_for(report)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Stage 0's go / no-go (scripts/repro/real_stage0.py), the rule written before the run started
+(scripts/repro/real_results/PLAN_2026-12-03.md): it learns (best 10-step score after step 10 >= 2x steps 1-10),
+the detector fires by step 45, after the best window started. Scores are built so each case's answer follows
+from the rule by hand."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from repro import real_stage0  # noqa: E402
+
+
+def score(values: dict[range, float], steps: int = 60) -> pd.Series:
+    s = pd.Series(0.1, index=range(1, steps + 1), dtype=float)
+    for r, v in values.items():
+        s[list(r)] = v
+    return s
+
+
+def test_learning_then_a_surge_is_a_go():
+    # steps 1-10 at 0.1; steps 21-30 at 0.3 (the best window starts at 21: 3x); the surge at 35
+    v = real_stage0.verdict(score({range(21, 31): 0.3}), surge_step=35)
+    assert v["verdict"] == "go"
+    assert v["best window starts"] == 21 and v["best 10-step score after step 10"] == pytest.approx(0.3)
+    assert v["score steps 1-10"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("surge, failed", [
+    (None, "not: fires by step 45"),
+    (46, "not: fires by step 45"),          # 45 is the last allowed step
+    (21, "not: fires after the learning"),  # at the best window's start is not after it
+    (15, "not: fires after the learning"),
+])
+def test_the_surge_must_come_by_step_45_and_after_the_learning(surge, failed):
+    v = real_stage0.verdict(score({range(21, 31): 0.3}), surge_step=surge)
+    assert v["verdict"].startswith("no-go") and failed in v["verdict"] and "not: learns" not in v["verdict"]
+
+
+def test_45_itself_is_in_time():
+    assert real_stage0.verdict(score({range(21, 31): 0.3}), surge_step=45)["verdict"] == "go"
+
+
+@pytest.mark.parametrize("best, go", [(0.2, True), (0.19, False)])  # twice steps 1-10's 0.1 is the bound
+def test_learning_means_at_least_twice_the_first_ten_steps(best, go):
+    v = real_stage0.verdict(score({range(21, 31): best}), surge_step=35)
+    assert (v["verdict"] == "go") is go
+    assert go or "not: learns" in v["verdict"]
+
+
+def test_a_score_stuck_at_zero_never_learns():
+    v = real_stage0.verdict(pd.Series(0.0, index=range(1, 61)), surge_step=30)
+    assert "not: learns" in v["verdict"]
+
+
+def test_the_first_ten_steps_are_not_a_later_window():
+    # the best score sits in steps 1-10 only: no later window beats 2x it
+    v = real_stage0.verdict(score({range(1, 11): 0.5}), surge_step=30)
+    assert "not: learns" in v["verdict"]
+
+
+def test_a_nan_step_is_skipped_not_a_zero():
+    s = score({range(21, 31): 0.3})
+    s[5] = float("nan")
+    assert real_stage0.verdict(s, surge_step=35)["verdict"] == "go"
+
+
+def test_first_surge_reads_the_first_report_of_the_detector():
+    assert real_stage0.first_surge(pd.Series([-1, -1, 7, 7, 7], index=range(1, 6))) == 7
+    assert real_stage0.first_surge(pd.Series([-1, -1], index=[1, 2])) is None
+
+
+@pytest.mark.parametrize("info, expected", [
+    ({"mode": "bypass", "sampler_temperature": 1.05}, True),
+    ({"mode": "bypass", "sampler_temperature": 1.0}, False),
+    ({"mode": "bypass", "sampler_temperature": 1.1}, False),
+    ({"mode": "recompute", "sampler_temperature": 1.05}, False),
+])
+def test_a_stage0_run_is_bypass_with_a_sampler_between_1_and_1_1(info, expected):
+    assert real_stage0.is_stage0(info) is expected
+
+
+def test_the_control_is_the_same_run_at_the_1x_sampler(tmp_path):
+    base = {"prompts": 2, "samples": 6, "max_response_length": 192, "seed": 1, "lr": 1e-5, "mode": "bypass",
+            "sampler_dtype": "bf16"}
+    runs = {}
+    for name, extra in (("s0", {"sampler_temperature": 1.05}), ("c", {"sampler_temperature": 1.0}),
+                        ("other_seed", {"sampler_temperature": 1.0, "seed": 2})):
+        runs[name] = tmp_path / name
+        runs[name].mkdir()
+        (runs[name] / "run.json").write_text(json.dumps({**base, **extra}))
+    assert real_stage0.control_of(runs["s0"], list(runs.values())) == runs["c"]
+    assert real_stage0.control_of(runs["s0"], [runs["s0"], runs["other_seed"]]) is None
