@@ -29,6 +29,8 @@ from repro import run as repro_run  # noqa: E402
 RECIPES = {"bypass": bypass_arms, "noise": noise_arms}
 CI_ARMS = {"bypass": ["bp_const", "bp_ls_surge"], "noise": ["const", "ls_surge"]}
 STEPS = {"bypass": 100, "noise": 150}  # bypass: 18 runs x ~5.5 min on 2 cores (measured per step and start-up)
+CI_STEPS = 12  # --ci: RL steps of each arm
+SFT_STEPS, CI_SFT_STEPS = 8000, 600  # warm-start steps: full, --ci
 
 REPO_ROOT = HERE.parents[1]
 # The warm-start recipe of the committed table (scripts/repro/README.md, "Warm start").
@@ -88,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--arms", nargs="*", default=None,
                    help=f"bypass: {sorted(bypass_arms.ARMS)}; noise: {sorted(noise_arms.ARMS)} (default all)")
     p.add_argument("--seeds", nargs="*", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="RL steps (default 300 bypass, 150 noise; 12 with --ci)")
+    p.add_argument("--steps", type=int, default=None, help=f"RL steps (default {STEPS['bypass']} bypass, {STEPS['noise']} noise; {CI_STEPS} with --ci)")
     p.add_argument("--lr", type=float, default=None, help="default: the recipe's")
     p.add_argument("--sampler", choices=bypass_arms.SAMPLERS, default=bypass_arms.DEFAULT_SAMPLER,
                    help="bypass recipe: the sampler's weight precision")
@@ -97,7 +99,7 @@ def parse_args(argv=None):
     p.add_argument("--grader", choices=sorted(bypass_arms.GRADERS), default=bypass_arms.DEFAULT_GRADER,
                    help="bypass recipe: the reward's grader (see run.py)")
     p.add_argument("--noise", type=float, default=noise_arms.DEFAULT_NOISE, help="noise recipe: weight-noise sigma")
-    p.add_argument("--sft-steps", type=int, default=None, help="warm-start steps (default 8000; 600 with --ci)")
+    p.add_argument("--sft-steps", type=int, default=None, help=f"warm-start steps (default {SFT_STEPS}; {CI_SFT_STEPS} with --ci)")
     p.add_argument("--min-digits", type=int, default=WARMSTART["min_digits"])
     p.add_argument("--max-digits", type=int, default=WARMSTART["max_digits"])
     p.add_argument("--worked-fraction", type=float, default=WARMSTART["worked_fraction"])
@@ -131,8 +133,8 @@ def main(argv=None) -> int:
     out = args.out or REPO_ROOT / "outputs" / (base + ("-ci" if args.ci else ""))
     arms = args.arms or (CI_ARMS[args.recipe] if args.ci else list(RECIPES[args.recipe].ARMS))
     seeds = args.seeds or ([1] if args.ci else [1, 2, 3])
-    steps = args.steps or (12 if args.ci else STEPS[args.recipe])
-    args.sft_steps = args.sft_steps or (600 if args.ci else 8000)
+    steps = args.steps or (CI_STEPS if args.ci else STEPS[args.recipe])
+    args.sft_steps = args.sft_steps or (CI_SFT_STEPS if args.ci else SFT_STEPS)
     assets, runs = out / "assets", out / "runs"
     py = sys.executable
     start = time.monotonic()
