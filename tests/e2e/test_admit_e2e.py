@@ -1,6 +1,6 @@
 """End-to-end (issue 23, small form): ``lrstab admit`` on verl's real main_ppo, CPU transformers rollout.
 
-Two launched candidates, 4 no-update steps each, against the float32 trainer (the tiny model): a
+Three candidates, two launched for 6 no-update steps each, against the float32 trainer (the tiny model): a
 float32 sampler, and a bfloat16 sampler whose weights get a noise that doubles at every weight sync
 (the injected drifting sampler: ``engine_kwargs.transformers.weight_noise_growth``), and one whose
 override does not exist: the bad one is reported by name and the others still run; the drifting
