@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.cusum import COSIGNAL_RISE as CO_RISE
 from verl_lrstab.cusum import COSIGNALS, CusumDetector
 from verl_lrstab.runs import cosignal_columns, replay_with_cosignals
 from verl_lrstab.schedule import replay
@@ -90,6 +91,17 @@ def test_v4_is_earlier_than_the_length_and_score_alone_on_the_drift_then_surge()
     assert min(gains) >= 0 and sorted(gains)[len(gains) // 2] >= 1, gains
 
 
+def _quiet_from(tr, start):
+    """``tr``'s co-signals from step ``start`` on replaced by the run's own 30 steps before it, repeated:
+    the same noise, no turn-up (a healthy return keeps its co-signals quiet)."""
+    out = {}
+    for k, v in tr.cosignals.items():
+        v, calm = v.copy(), v[start - 31:start - 1]
+        v[start - 1:] = np.resize(calm, len(v) - start + 1)
+        out[k] = v
+    return out
+
+
 def test_a_rebound_whose_score_collapses_fires_and_one_whose_score_holds_does_not():
     checked = False
     for tr in phenomena.traces(seeds=range(6), classes="K"):
@@ -97,16 +109,39 @@ def test_a_rebound_whose_score_collapses_fires_and_one_whose_score_holds_does_no
         # sparse or forward-filled score: seen at its next row, the same decision either way
         sparse, filled = run(tr, "every"), run(tr, "filled")
         assert sparse == filled and sparse and sparse[0] >= tr.onset, (tr.name, sparse, filled)
-        # the same length with a score that holds its level: a rebound (v3), no surge
+        # the score alone: with the co-signals quiet the collapse still fires, by the crash's next step
+        quiet = phenomena.Trace(**{**tr.__dict__, "cosignals": _quiet_from(tr, tr.onset - 5)})
+        assert early_enough(tr, run(quiet)), (tr.name, run(quiet))
+        # the same length with a score that holds its level and quiet co-signals: a rebound (v3), no surge
         held = tr.score.copy()
         held[tr.onset - 5:] = np.round(np.clip(np.median(tr.score[tr.onset - 30:tr.onset])
                                                + 0.03 * np.random.default_rng(1).standard_normal(len(held) - tr.onset + 5),
                                                0, 1), 4)
-        calm = phenomena.Trace(**{**tr.__dict__, "score": held})
+        calm = phenomena.Trace(**{**quiet.__dict__, "score": held})
         if np.median(tr.length[tr.onset + 5:tr.onset + 15]) < 1.2 * np.median(tr.length[:8]):
             checked = True  # back below the early high (a return above 1.3x it is no rebound, as in v3)
-            assert run(calm) == [], (tr.name, run(calm))
+            for score_form in ("dense", "every", "none"):
+                assert run(calm, score_form) == [], (tr.name, score_form, run(calm, score_form))
     assert checked
+
+
+def test_a_rebound_whose_co_signals_rise_fires_without_waiting_for_the_score():
+    # two of verl's co-signals risen confirm a return as they confirm a surge (rule 1): a log without a
+    # score, or with a held one, fires on them; the same return with them quiet does not
+    fired_no_score = 0
+    for tr in phenomena.traces(seeds=range(8), classes="K"):
+        co = {NAMES[k]: v for k, v in tr.cosignals.items()}  # K's entropy and grad norm turn up with the return
+        risen = sum(np.median(co[n][tr.onset + 4:tr.onset + 10]) >= CO_RISE[n] * np.median(co[n][:tr.onset - 5])
+                    for n in co)
+        quiet = phenomena.Trace(**{**tr.__dict__, "cosignals": _quiet_from(tr, tr.onset - 5)})
+        assert run(quiet, "none") == [], (tr.name, run(quiet, "none"))
+        fired = run(tr, "none")
+        if risen >= 2:  # both up: seen within the return's first steps (2-4, a median of 3, read a step late)
+            fired_no_score += 1
+            assert fired and tr.onset <= fired[0] <= tr.onset + 8, (tr.name, fired, tr.onset, tr.doc)
+        else:
+            assert not fired or fired[0] >= tr.onset, (tr.name, fired)
+    assert fired_no_score >= 4, fired_no_score
 
 
 @pytest.mark.parametrize("cls", "LMN")
@@ -159,6 +194,34 @@ def test_one_risen_co_signal_never_confirms_two_do():
     assert _flat_run(spike=(76, 90)) == []  # a grad-norm spike alone: a healthy update, the length is held
     fired = _flat_run(spike=(76, 90), entropy_up=True)  # with the entropy up too: a surge, at its first steps
     assert fired and 80 <= fired[0] <= 83, fired
+
+
+def _sparse_co_run(grad_up, entropy_up, rows, n=130, at=80, every=4, seed=0):
+    """A flat length with a 1.5x step up at ``at``, a flat score; the grad norm and the entropy logged on
+    every ``every``-th row only, ``grad_up`` / ``entropy_up`` x their level on the logged rows in ``rows``."""
+    rng = np.random.default_rng(seed)
+    det, fired = CusumDetector(), []
+    for s in range(1, n + 1):
+        if det.update(s, 300 * (1.5 if s >= at else 1.0) * (1 + 0.05 * rng.standard_normal()),
+                      score=0.6 + 0.02 * rng.standard_normal()):
+            fired.append(s)
+        if (s - 1) % every == 0:
+            up = s in rows
+            det.observe(s, grad_norm=0.3 * (grad_up if up else 1.0) * (1 + 0.02 * rng.standard_normal()),
+                        entropy=0.4 * (entropy_up if up else 1.0) * (1 + 0.01 * rng.standard_normal()))
+    return fired
+
+
+def test_a_sparse_co_signals_fresh_row_decides_at_once_against_a_stricter_bar():
+    # the length alarm is armed a few steps after the step up at 80; the co-signals' rows are 1, 5, ..., 85, 89
+    turn_up = range(85, 131)
+    # a clear turn-up (grad norm 2.5x, entropy 1.25x) on the row of step 85: the first step that reads it
+    # (86, a step is read from the next one on) decides; it does not wait for the row of 89
+    assert _sparse_co_run(2.5, 1.25, turn_up)[:1] == [86]
+    # a single row just past the dense bar (1.6x, 1.1x: a median of 3 there would confirm) is one noisy
+    # batch: no confirmation, nor once it is back; the same turn-up for good confirms once 2 rows hold it
+    assert _sparse_co_run(1.7, 1.12, range(85, 86)) == []
+    assert _sparse_co_run(1.7, 1.12, turn_up)[:1] == [90]
 
 
 def test_the_state_round_trips_mid_surge_and_a_v3_checkpoint_still_loads(tmp_path):
@@ -296,3 +359,23 @@ def test_the_update_figures_are_identical_on_every_rank_of_a_real_gloo_group(tmp
     got = [json.loads(Path(f"{tmp_path / 'co'}.{r}").read_text()) for r in range(3)]
     assert got[0] == got[1] == got[2]
     assert got[0]["grad_norm"] == [[1, pytest.approx(0.5)]] and got[0]["kl_loss"] == [[1, pytest.approx(1e-3)]]
+
+
+def test_real_pilot_4_fed_verls_own_columns_is_no_surge():
+    """Real-model pilot 4 (docs/detector.md, "The real logs decide as before"): fed verl's own
+    ``actor/grad_norm`` and ``actor/pg_clipfrac`` (0 on every step whose rewards are all 0: repeats, no new
+    observation), its length jumps back at step 145 while the last two observations are a spike and a zero
+    from steps 140-141. A rebound is confirmed by co-signals risen with the return, not by values held from
+    before it: no surge, as with the trainer's own figures."""
+    from verl_lrstab.runs import load_run, metric_series
+
+    path = Path(__file__).resolve().parents[1] / "scripts/repro/real_results/bp_const-t1-lr3e-05-p2-s1/metrics.jsonl.gz"
+    df = load_run(path)
+    length = metric_series(df, "response_length/mean")
+    steps = length.index
+    col = lambda c: df[c].reindex(steps).tolist()  # noqa: E731
+    assert {"actor/grad_norm", "actor/pg_clipfrac"} <= set(df.columns)
+    co = {"grad_norm": col("actor/grad_norm"), "pg_clipfrac": col("actor/pg_clipfrac")}
+    result = replay_with_cosignals(steps.tolist(), length.tolist(), LengthSurgeConfig(), score=col("critic/score/mean"),
+                                   clip_ratio=col("response_length/clip_ratio"), cosignals=co)
+    assert result.surge_step is None

@@ -81,6 +81,12 @@ COSIGNAL_RISE = {"entropy": 1.1, "grad_norm": 1.6, "kl_loss": 1.6, "pg_clipfrac"
 COSIGNALS = tuple(COSIGNAL_RISE)
 COSIGNAL_NOW_STEPS = 3  # median of 3: one odd batch (a grad-norm spike) cannot move it
 COSIGNAL_VOTES = 2  # this many risen co-signals confirm a surge; one alone (a grad-norm spike) never does
+# A sparse co-signal (one observation in the last COSIGNAL_NOW_STEPS steps) has also risen when that fresh
+# observation alone passes the rise raised to this power, rather than waiting for a second row: a single
+# value's log-noise is ~1.5x that of a median of 3 (sd of the median of 3 normals: 0.67 sd), so the bar
+# keeps the dense rule's false-positive rate (one noisy grad norm at 1.6x confirmed a growth twin, L,
+# with the plain bar). The median of its last 2 observations at the plain bar counts too, as before.
+SINGLE_RISE_POWER = 1.5
 # A rebound whose score collapses is no rebound (v4): the score's latest observation at most this
 # share of its pre-alarm level, and COLLAPSE_Z x score_z noise units below it (the noise test is the
 # guard; the share only keeps a near-noiseless score's tiny dip out). 0.8, not 0.6: the collapse's
@@ -164,7 +170,7 @@ class CusumDetector:
         self._kl: list[list] = []
         self._clip: list[list] = []
         self._co: dict[str, list] = {name: [] for name in COSIGNALS}  # v4: verl's per-step figures
-        self._watch: Optional[dict] = None  # v4: a rebound alarm, fired only by a score collapse
+        self._watch: Optional[dict] = None  # v4: a rebound alarm, fired by a score collapse or risen co-signals
         self._cusum = 0.0
         self._armed: Optional[dict] = None
         self.surge_steps: list[int] = []
@@ -248,7 +254,7 @@ class CusumDetector:
                 self._armed = refs
                 logger.info("verl_lrstab: length alarm at step %d (cusum %.1f, level %.4g = %.3g x baseline)",
                             step, self._cusum, self.level, self.ratio)
-        fired = self._rebound_collapses(step, b, fast)  # ... unless its score collapses (v4)
+        fired = self._rebound_collapses(step, b, fast)  # ... unless its score collapses or its co-signals rise (v4)
         if self._armed is not None and (self.level < self.min_rise * self._armed["baseline"]
                                         or step - self._armed["step"] > self.confirm_steps):
             self._disarm()  # the length came back down, or no co-signal confirmed it in time
@@ -350,8 +356,12 @@ class CusumDetector:
                 "co_ref": {name: self._ref([r for r in rows if r[0] < step], lo, hi)[0]
                            for name, rows in self._co.items()}}
 
-    def _up(self, step: int, a: dict) -> int:
-        """How many of verl's co-signals have risen against the alarm's references (v4)."""
+    def _up(self, step: int, a: dict, fresh: bool = False) -> int:
+        """How many of verl's co-signals have risen against the alarm's references (v4).
+
+        ``fresh``: from their observations of the last COSIGNAL_NOW_STEPS steps only (a rebound's
+        co-signals must rise with the return, not be held at values from before it).
+        """
         up = 0
         for name, rows in self._co.items():
             ref = a.get("co_ref", {}).get(name, _NAN)
@@ -359,9 +369,14 @@ class CusumDetector:
             if not past or not ref > 0:
                 continue
             now = [v for s, v in past if s >= step - COSIGNAL_NOW_STEPS]
-            if len(now) < 2:  # a sparse log: its last 2 observations (one noisy batch cannot confirm)
-                now = [v for _, v in past[-2:]]
-            up += median(now) >= COSIGNAL_RISE[name] * ref
+            rise = COSIGNAL_RISE[name]
+            if len(now) >= 2:
+                up += median(now) >= rise * ref
+                continue
+            # a sparse log: its last 2 observations (one noisy batch cannot confirm), or a fresh row
+            # alone against the stricter bar (decided at the first step that reads it)
+            up += ((not fresh and median(v for _, v in past[-2:]) >= rise * ref)
+                   or (len(now) == 1 and now[0] >= rise ** SINGLE_RISE_POWER * ref))
         self.cosignals_up = up
         return up
 
@@ -373,7 +388,9 @@ class CusumDetector:
 
         A rebound raises no alarm (the run was that long before), but one whose score falls to
         ``COLLAPSE_SHARE`` of its level or less is a collapse: it is watched (up to
-        ``confirm_steps`` while the last 2 steps stay at ``min_rise``) for that fall.
+        ``confirm_steps`` while the last 2 steps stay at ``min_rise``) for that fall, or for two of
+        verl's co-signals risen with it (the score not rising), as an armed alarm is: what confirms a
+        surge confirms a return too, and a run without a score has no other witness.
         """
         if (self._watch is None and self._cusum >= self.threshold / 2 and fast >= self.min_rise
                 and self._rebound(step, b, margin=None)):
@@ -390,11 +407,21 @@ class CusumDetector:
         if fast < self.min_rise * w["baseline"] / math.exp(b) or step - w["step"] > self.confirm_steps:
             self._watch = None
             return False
+        if self._up(step, w, fresh=True) >= COSIGNAL_VOTES and not self._score_rising(step, w):
+            return True  # two of verl's co-signals risen with the return, the score not rising: a surge
         if not w["score_n"] or not self._score or not w["score_ref"] > 0:
             return False
         now = self._score[-1][1]  # its latest observation: a fall to 60 % is no noise (at 7 units too)
         unit = MEDIAN_SD * w["score_noise"] * math.sqrt(1 + 1 / w["score_n"])
         return now <= COLLAPSE_SHARE * w["score_ref"] and (w["score_ref"] - now) / unit >= COLLAPSE_Z * self.score_z
+
+    def _score_rising(self, step: int, a: dict) -> bool:
+        """The score's 5-step level is ``score_z`` noise units above the alarm's pre-alarm level (learning)."""
+        now, n_now = self._recent(self._score, step)
+        if not a["score_n"] or not n_now:
+            return False
+        unit = MEDIAN_SD * a["score_noise"] * math.sqrt(1 / n_now + 1 / a["score_n"])
+        return (now - a["score_ref"]) / unit >= self.score_z
 
     def _disarm(self) -> None:
         self._armed = self._watch = None
