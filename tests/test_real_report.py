@@ -149,3 +149,24 @@ def test_the_dose_report_compares_each_lr_with_lr_0_on_the_same_steps(tmp_path, 
     out = real_dose.report([base, high], tmp_path / "report")
     assert out.read_text().count("| 0.0001 |") == 1
     assert (tmp_path / "report" / "dose.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_step_time_table_gives_each_phase_median_and_the_update_per_sequence(tmp_path, monkeypatch):
+    from verl.utils.tracking import Tracking
+
+    run = tmp_path / "rc_const-t1-lr0-p2x6c192-s1"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"mode": "recompute", "prompts": 2, "samples": 6,
+                                              "max_response_length": 192}))
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(run / "metrics.part1.jsonl"))
+    tracker = Tracking(project_name="p", experiment_name="e", default_backend=["file"])
+    for step, update in zip(range(1, 4), (50.0, 60.0, 90.0)):  # median 60 s
+        tracker.log({"timing_s/step": update + 30, "timing_s/gen": 10.0, "timing_s/update_actor": update,
+                     "prompt_length/mean": 250.0, "response_length/mean": 50.0}, step=step)
+    tracker.finish()
+    row = real_report.timing([run]).loc[run.name]
+    assert (row["mode"], row["shape"], row["steps"]) == ("recompute", "2x6, cap 192", 3)
+    assert row["step s"] == 90.0 and row["generation s"] == 10.0 and row["actor update s"] == 60.0
+    assert row["update s a sequence"] == pytest.approx(60.0 / 12)  # 2 prompts x 6 samples
+    assert row["tokens a sequence"] == pytest.approx(300.0)
+    assert row["old log-prob s"] != row["old log-prob s"]  # not logged: NaN, not 0

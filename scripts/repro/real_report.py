@@ -11,8 +11,9 @@ mismatch k3 (median of the first and last 20 steps: does it grow with training?)
 validation of ``real_eval.py`` where it ran, the grad
 norm, and the detector's surge step. Writes ``pilots.md``, ``pilots.json``, ``blocks.md`` (block medians of the length, the share at
 the cap, the score, k3, PPO's clip fraction, the entropy and the grad norm: ``--block`` steps)
-and ``pilots.png``
-(length, score, k3 and the longest response against the step, one colour per run); then the
+``pilots.png``
+(length, score, k3 and the longest response against the step, one colour per run) and ``timing.md``
+(what a step costs: the median of each of verl's phase timers, per run and shape); then the
 dose-response (``real_dose.py``: ``dose.md``, ``dose.png``) and the controls (``real_controls.py``:
 ``controls.md``, ``controls.png``) and stage 0's go / no-go (``real_stage0.py``: ``stage0.md``,
 ``stage0.png``) among the runs.
@@ -103,6 +104,30 @@ def blocks(run_dir: Path, size: int = 20) -> pd.DataFrame:
     return out
 
 
+# verl's own timers (``marked_timer``) of a step's phases, as logged; ``old_log_prob`` only in recompute mode
+TIMING = {"timing_s/step": "step s", "timing_s/gen": "generation s", "timing_s/old_log_prob": "old log-prob s",
+          "timing_s/update_actor": "actor update s", "timing_s/update_weights": "weight sync s"}
+
+
+def timing(run_dirs: list[Path]) -> pd.DataFrame:
+    """What a step costs, one row a run: its shape, the median of each of verl's phase timers over its steps,
+    the mean real tokens of a sequence (prompt + response) and the actor update's seconds per sequence."""
+    rows = []
+    for run_dir in run_dirs:
+        df = load_run(metrics_file(run_dir))
+        df = df[df.index >= 1]
+        info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+        sequences = (info.get("prompts") or 4) * (info.get("samples") or 4)  # the pilots' first shape: 4 x 4
+        row = {"run": run_dir.name, "mode": info.get("mode", "bypass"),
+               "shape": f"{info.get('prompts') or 4}x{info.get('samples') or 4}, cap {info.get('max_response_length')}",
+               "steps": len(df)}
+        row.update({label: float(_col(df, key).median()) if key in df else float("nan") for key, label in TIMING.items()})
+        row["tokens a sequence"] = float((_col(df, "prompt_length/mean") + _col(df, LENGTH)).mean())
+        row["update s a sequence"] = row["actor update s"] / sequences
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("run")
+
+
 def markdown(df: pd.DataFrame) -> str:
     """A small table as Markdown (pandas' ``to_markdown`` needs ``tabulate``, not installed here)."""
     head = [df.index.name or ""] + list(df.columns)
@@ -182,6 +207,11 @@ def main(argv=None) -> int:
             print(text)
     print(args.out / "blocks.md")
     print(figure(runs, args.out / "pilots.png"))
+    steps = "What a step costs (medians of verl's timing_s/* over each run's steps, 2 shared CPU cores)\n\n" + \
+        real_dose._markdown(timing(runs))
+    (args.out / "timing.md").write_text(steps + "\n")
+    print(steps)
+    print(args.out / "timing.md")
     real_dose.report(runs, args.out)  # the dose-response runs among them (issue 32): dose.md, dose.png
     real_controls.report(runs, args.out)  # each control against its reference (issue 32): controls.md, .png
     real_stage0.report(runs, args.out)  # stage 0's go / no-go (issue 32): stage0.md, stage0.png
