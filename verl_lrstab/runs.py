@@ -293,7 +293,9 @@ def _as_step(value) -> int:
 #: :meth:`verl_lrstab.cusum.CusumDetector.observe` takes: what a length_surge run's trainer
 #: consumed (``actor/lrstab/...``) first, then verl's own columns.
 COSIGNAL_METRICS = {
-    "entropy": ("actor/lrstab/entropy", "actor/entropy"),
+    # actor/entropy: verl's old-log-prob pass (recompute); actor/entropy_loss: the update's own, where it computes
+    # one (bypass mode with calculate_entropy): the figures the trainer feeds, in that order
+    "entropy": ("actor/lrstab/entropy", "actor/entropy", "actor/entropy_loss"),
     "grad_norm": ("actor/lrstab/grad_norm", "actor/grad_norm"),
     "kl_loss": ("actor/lrstab/kl_loss", "actor/kl_loss"),
     "pg_clipfrac": ("actor/lrstab/pg_clipfrac", "actor/pg_clipfrac"),

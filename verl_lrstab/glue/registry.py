@@ -30,6 +30,8 @@ WRAPS: list = [
          engine.make_megatron_build, engine.megatron_engine_checks),
     Wrap("verl.workers.engine_workers", "TrainingWorker", "train_mini_batch", ("self", "data"),
          worker.make_train_mini_batch, worker.worker_checks),
+    Wrap("verl.workers.engine_workers", "TrainingWorker", "infer_batch", ("self", "data"),
+         worker.make_infer_batch, worker.infer_checks),
     Wrap("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "__init__", ("self", "config"),
          lambda verl_fn: driver.make_trainer_init(verl_fn, require)),
     Wrap("verl.trainer.ppo.v1.trainer_base", "PPOTrainer", "_update_actor", ("self", "batch", "metrics"),

@@ -199,8 +199,50 @@ def has_rollout_log_probs(data) -> bool:
 # -- detector v4's co-signals: what verl's own update logs (issue 33) --------------------------
 #: The figures of an actor update that ``detector: cusum`` reads, by co-signal, as keyed in the
 #: metrics ``TrainingWorker.train_mini_batch`` returns (the driver then prefixes ``actor/``).
-#: ``actor/entropy`` is not among them: verl computes it in the driver, from the old log-probs.
-UPDATE_FIGURES = {"grad_norm": "grad_norm", "kl_loss": "kl_loss", "pg_clipfrac": "actor/pg_clipfrac"}
+#: ``entropy``: the update's own (``actor/entropy_loss``, computed when ``calculate_entropy`` or an entropy
+#: coefficient asks for it, as in bypass mode); a recompute run's ``actor/entropy`` comes from the old-log-prob
+#: pass instead (:func:`old_log_prob_entropy_stats`), and takes precedence.
+UPDATE_FIGURES = {"grad_norm": "grad_norm", "kl_loss": "kl_loss", "pg_clipfrac": "actor/pg_clipfrac",
+                  "entropy": "actor/entropy_loss"}
+
+
+def old_log_prob_entropy_stats(output, data) -> torch.Tensor:
+    """``[sum, count]`` of the per-token entropy verl's old-log-prob pass returns, over the response mask.
+
+    verl's driver logs ``actor/entropy`` from these values (token-mean over the batch, under the default
+    ``loss_agg_mode``) and drops them before the update; this reads them on the worker, from the same
+    output and batch, with verl's own unpadding (``no_padding_2_padding``, as its PPO loss does). A rank
+    without outputs (not a model-parallel source rank) or without an ``entropy`` output adds 0.
+    """
+    if output is None:
+        return torch.zeros(2, dtype=torch.float64)
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    entropy = tu.get(output, "entropy")
+    if entropy is None:
+        return torch.zeros(2, dtype=torch.float64)
+    per_token = no_padding_2_padding(entropy, data).double()
+    mask = data.select("response_mask").to_padded_tensor()["response_mask"].to(per_token.device).double()
+    mask = mask[:, : per_token.shape[1]]
+    finite = torch.isfinite(per_token)
+    mask = mask * finite
+    return torch.stack([(torch.where(finite, per_token, 0.0) * mask).sum(), mask.sum()]).cpu()
+
+
+def feed_old_log_prob_entropy(scheduler, output, data) -> None:
+    """Keep the global mean entropy of this step's old-log-prob pass for the step's last update (every rank of
+    the default group calls it, each such pass; the same figure or none on every rank)."""
+    from verl_lrstab.glue.steps import state_of
+
+    try:
+        local = old_log_prob_entropy_stats(output, data)
+    except Exception as exc:  # noqa: BLE001 - never fail a training step for a co-signal
+        logger.warning("verl_lrstab: could not read the old-log-prob pass's entropy (%s)", exc)
+        local = None
+    reduced = mismatch.all_reduce_or_none(local, 2)
+    state = state_of(scheduler)
+    state.entropy = None if reduced is None or reduced[1].item() <= 0 else reduced[0].item() / reduced[1].item()
 
 
 def _finite_values(value) -> list[float]:
@@ -241,7 +283,7 @@ _step_figures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def feed_update_figures(scheduler, output, last: bool):
-    """Hand one update's grad norm, KL loss and PPO clip fraction to ``detector: cusum`` (v4).
+    """Hand one update's grad norm, KL loss, PPO clip fraction and entropy to ``detector: cusum`` (v4).
 
     Called on every rank after verl's update (a collective: every rank of the default group,
     each update). Only the model-parallel source ranks hold verl's metrics, so they are summed
@@ -272,6 +314,12 @@ def feed_update_figures(scheduler, output, last: bool):
             if count > 0:
                 means[name] = total / count
     _step_figures[scheduler] = _StepFigures()
+    from verl_lrstab.glue.steps import state_of
+
+    state = state_of(scheduler)
+    if state.entropy is not None:  # this step's old-log-prob pass: verl's actor/entropy
+        means["entropy"] = state.entropy
+    state.entropy = None
     detector = scheduler.schedule.detector
     observe = getattr(detector, "observe", None)  # detector: ratio reads the length only
     if observe is None or not means or detector.last_step is None:

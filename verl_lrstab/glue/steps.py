@@ -39,6 +39,7 @@ class StepState:
         self.unfed_updates = 0  # consecutive actor updates held (not the last of their trainer step)
         self.unstepped_steps = 0  # consecutive feeds verl's engine did not consume
         self.acc = StepAccumulator()
+        self.entropy: Optional[float] = None  # this step's old-log-prob pass (signals.feed_old_log_prob_entropy)
 
 
 _states: "weakref.WeakKeyDictionary[FedSchedule, StepState]" = weakref.WeakKeyDictionary()

@@ -85,6 +85,29 @@ def _train_mini_batch(original_fn, self, *args, **kwargs):
     return signals.feed_update_figures(scheduler, output, last)
 
 
+def make_infer_batch(original_fn):
+    return dispatch(original_fn, _engine_has_our_scheduler, _infer_batch)
+
+
+def infer_checks(module, infer):
+    yield "TrainingWorker.infer_batch runs self.engine.infer_batch", *source_contains(infer, "self.engine.infer_batch")
+
+
+def _infer_batch(original_fn, self, *args, **kwargs):
+    """A forward pass of a ``length_surge`` run's actor: verl's, unchanged; on the old-log-prob pass
+    (``calculate_entropy`` and no loss: what verl's driver asks for before the update) the entropy it
+    returns is kept for the detector (v4's co-signal, verl's ``actor/entropy``). No extra pass."""
+    from verl.utils import tensordict_utils as tu
+
+    data = argument((self,) + args, kwargs, 1, "data")
+    old_log_prob_pass = bool(tu.get(data, key="calculate_entropy", default=False)) and not \
+        tu.get(data, key="compute_loss", default=True)
+    output = original_fn(self, *args, **kwargs)
+    if old_log_prob_pass:
+        signals.feed_old_log_prob_entropy(self.engine.lr_scheduler, output, data)
+    return output
+
+
 def _warmup_in_trainer_steps(scheduler: FedSchedule, state: StepState, count: int) -> None:
     """verl resolves the warmup in actor updates (V1 multiplies the total by the updates per step)."""
     if count > 1 and state.updates_per_step != count:
