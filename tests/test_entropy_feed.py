@@ -70,6 +70,22 @@ def test_the_stats_are_verls_masked_token_mean_of_the_response_entropy():
     assert total / count == pytest.approx(EXPECTED, rel=1e-12)
 
 
+def v1_batch():
+    """V1's padding-free batch (TransferQueue fields): the response mask nested, one entry per response token."""
+    from tensordict import TensorDict
+
+    masks = [torch.tensor(m[:r], dtype=torch.long) for m, r in zip(MASK, RESP_LENS)]
+    n = len(PROMPT_LENS)
+    return TensorDict({"response_mask": torch.nested.as_nested_tensor(masks, layout=torch.jagged)}, batch_size=[n])
+
+
+def test_v1s_nested_batch_gives_the_same_mean():
+    from verl_lrstab.glue import signals
+
+    total, count = signals.old_log_prob_entropy_stats(verl_output(engine_entropy()), v1_batch()).tolist()
+    assert count == sum(map(sum, MASK)) and total / count == pytest.approx(EXPECTED, rel=1e-12)
+
+
 def test_verls_own_driver_figure_agrees():
     """The same value verl's driver logs as actor/entropy (its agg_loss, token-mean) from the same output."""
     from verl.trainer.ppo.core_algos import agg_loss

@@ -84,6 +84,12 @@ def test_scheduler_consumes_verl_response_length(main_ppo, trainer):
     assert set(scores) == set(verl_scores) == set(steps)
     for step in steps:
         assert scores[step] == pytest.approx(verl_scores[step], rel=1e-6, abs=1e-6), step
+    # the entropy co-signal (detector v4): verl's actor/entropy of the same step, which its driver computes from
+    # the old-log-prob pass; the glue reads the same pass's output on the worker (float64 against verl's float32)
+    entropy, verl_entropy = series(metrics, "actor/lrstab/entropy"), series(metrics, "actor/entropy")
+    assert set(entropy) == set(verl_entropy) == set(steps)
+    for step in steps:
+        assert entropy[step] == pytest.approx(verl_entropy[step], rel=1e-5), step
     # the clip-ratio co-signal: the share of responses at the cap (data.max_response_length). verl's own
     # response_length/clip_ratio compares with the batch's padded width: the cap in V0 (the same figure
     # every step), the longest response of the batch in V1 (the same figure when that one is at the

@@ -211,7 +211,8 @@ def old_log_prob_entropy_stats(output, data) -> torch.Tensor:
 
     verl's driver logs ``actor/entropy`` from these values (token-mean over the batch, under the default
     ``loss_agg_mode``) and drops them before the update; this reads them on the worker, from the same
-    output and batch, with verl's own unpadding (``no_padding_2_padding``, as its PPO loss does). A rank
+    output and batch, with verl's own unpadding (V1's nested batch: ``response_from_nested``, as its driver
+    does; V0's padded one: ``no_padding_2_padding``, as its PPO loss does). A rank
     without outputs (not a model-parallel source rank) or without an ``entropy`` output adds 0.
     """
     if output is None:
@@ -222,9 +223,15 @@ def old_log_prob_entropy_stats(output, data) -> torch.Tensor:
     entropy = tu.get(output, "entropy")
     if entropy is None:
         return torch.zeros(2, dtype=torch.float64)
-    per_token = no_padding_2_padding(entropy, data).double()
-    mask = data.select("response_mask").to_padded_tensor()["response_mask"].to(per_token.device).double()
-    mask = mask[:, : per_token.shape[1]]
+    mask = data["response_mask"]
+    if mask.is_nested:  # V1's padding-free batch: verl's own response slice, as its driver takes it
+        from verl.workers.utils.padding import response_from_nested
+
+        per_token = response_from_nested(entropy, mask).values().double()
+        mask = mask.values().to(per_token.device).double()
+    else:  # V0: left/right-padded prompts and responses, unpadded by verl's PPO loss's own function
+        per_token = no_padding_2_padding(entropy, data).double()
+        mask = mask.to(per_token.device).double()[:, : per_token.shape[1]]
     finite = torch.isfinite(per_token)
     mask = mask * finite
     return torch.stack([(torch.where(finite, per_token, 0.0) * mask).sum(), mask.sum()]).cpu()
