@@ -30,11 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
 from repro.real_dose import (ENTROPY, GN, K3, LENGTH, SCORE, ZERO_GRAD, _markdown, main_for, publish,  # noqa: E402
-                             run_info, save_figure)
-from repro.real_pilot import metrics_file  # noqa: E402
+                             run_info, save_figure, training_frame)
 
 from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
-from verl_lrstab.runs import load_run  # noqa: E402
 
 # What a control may differ in from its reference (one at a time), and the shape both must share.
 CONTROL_FIELDS = {"sampler_dtype": "bf16", "mode": "bypass"}
@@ -75,17 +73,12 @@ def pair_controls(candidates: list[Path]) -> list[tuple[Path, Path, str, Path | 
     return out
 
 
-def _frame(run_dir: Path) -> pd.DataFrame:
-    df = load_run(metrics_file(run_dir))
-    return df[df.index >= 1]  # step 0: verl's validation before training
-
-
 def _s(df: pd.DataFrame, key: str) -> pd.Series:
     return df[key].dropna() if key in df else pd.Series(dtype=float)
 
 
 def row(run_dir: Path) -> dict:
-    df = _frame(run_dir)
+    df = training_frame(run_dir)
     length, k3, gn = _s(df, LENGTH), _s(df, K3), _s(df, GN)
     fp32 = run_dir / "fp32_val.json"
     return {"run": run_dir.name, "steps": len(length),
@@ -118,7 +111,7 @@ def figure(pairs: list[tuple[Path, Path, str, Path | None]], path: Path) -> Path
         for run_dir, label, style in ((ref, "reference", "-"), (control, f"control ({field})", "-"), (lr0, "LR 0", ":")):
             if run_dir is None:
                 continue
-            df = _frame(run_dir)
+            df = training_frame(run_dir)
             for ax, key in zip(axes[:, col], keys):
                 s = _s(df, key)
                 ax.plot(s.index, s, style, marker="o", ms=3, label=f"{label}: {run_dir.name}")

@@ -63,12 +63,15 @@ def dose_runs(candidates: list[Path]) -> dict[float, Path]:
     return dict(sorted(out.items()))
 
 
+def training_frame(run_dir: Path) -> pd.DataFrame:
+    """A pilot's metrics by step, its training steps only (step 0 is verl's validation before training,
+    no training metrics): the one reader of the real-model reports."""
+    df = load_run(metrics_file(run_dir))
+    return df[df.index >= 1]
+
+
 def frames(runs: dict[float, Path]) -> dict[float, pd.DataFrame]:
-    out = {}
-    for lr, d in runs.items():
-        df = load_run(metrics_file(d))
-        out[lr] = df[df.index >= 1]  # step 0: verl's validation before training, no training metrics
-    return out
+    return {lr: training_frame(d) for lr, d in runs.items()}
 
 
 def _q(s: pd.Series, q: float) -> float:

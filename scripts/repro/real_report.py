@@ -94,8 +94,7 @@ def summarize(run_dir: Path) -> dict:
 
 def blocks(run_dir: Path, size: int = 20) -> pd.DataFrame:
     """Medians of :data:`BLOCK_METRICS` over blocks of ``size`` steps (``1-20``, ``21-40``, ...), one row a block."""
-    df = load_run(metrics_file(run_dir))
-    df = df[df.index >= 1]  # step 0: verl's validation before training, no training metrics
+    df = real_dose.training_frame(run_dir)
     cols = {k: v for k, v in BLOCK_METRICS.items() if k in df}
     block = (df.index - 1) // size
     out = df[list(cols)].groupby(block).median().rename(columns=cols)
@@ -114,9 +113,8 @@ def timing(run_dirs: list[Path]) -> pd.DataFrame:
     the mean real tokens of a sequence (prompt + response) and the actor update's seconds per sequence."""
     rows = []
     for run_dir in run_dirs:
-        df = load_run(metrics_file(run_dir))
-        df = df[df.index >= 1]
-        info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+        df = real_dose.training_frame(run_dir)
+        info = real_dose.run_info(run_dir)
         sequences = (info.get("prompts") or 4) * (info.get("samples") or 4)  # the pilots' first shape: 4 x 4
         row = {"run": run_dir.name, "mode": info.get("mode", "bypass"),
                "shape": f"{info.get('prompts') or 4}x{info.get('samples') or 4}, cap {info.get('max_response_length')}",

@@ -28,11 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
-from repro.real_dose import ENTROPY, K3, LENGTH, SCORE, _markdown, main_for, publish, run_info, save_figure  # noqa: E402
-from repro.real_pilot import metrics_file  # noqa: E402
+from repro.real_dose import (ENTROPY, K3, LENGTH, SCORE, _markdown, main_for, publish, run_info,  # noqa: E402
+                             save_figure, training_frame)
 
 from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
-from verl_lrstab.runs import load_run  # noqa: E402
 
 SURGE = "actor/lrstab/surge_step"
 # The pre-registered thresholds (PLAN_2026-12-03.md).
@@ -85,13 +84,8 @@ def control_of(run_dir: Path, candidates: list[Path]) -> Path | None:
     return None
 
 
-def _frame(run_dir: Path) -> pd.DataFrame:
-    df = load_run(metrics_file(run_dir))
-    return df[df.index >= 1]  # step 0: verl's validation before training
-
-
 def row(run_dir: Path) -> dict:
-    df = _frame(run_dir)
+    df = training_frame(run_dir)
     planned = run_info(run_dir).get("steps")
     out = {"run": run_dir.name, **verdict(df[SCORE] if SCORE in df else pd.Series(dtype=float),
                                           first_surge(df[SURGE]) if SURGE in df else None)}
@@ -107,7 +101,7 @@ def figure(pairs: list[tuple[Path, Path | None]], path: Path) -> Path:
         for d, style in ((run_dir, "-"), (control, ":")):
             if d is None:
                 continue
-            df = _frame(d)
+            df = training_frame(d)
             surge = first_surge(df[SURGE]) if SURGE in df else None
             for ax, key in zip(axes, keys):
                 # bypass mode has no old-log-prob pass: the update's own entropy (calculate_entropy)
