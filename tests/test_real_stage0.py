@@ -96,3 +96,51 @@ def test_the_control_is_the_same_run_at_the_1x_sampler(tmp_path):
         (runs[name] / "run.json").write_text(json.dumps({**base, **extra}))
     assert real_stage0.control_of(runs["s0"], list(runs.values())) == runs["c"]
     assert real_stage0.control_of(runs["s0"], [runs["s0"], runs["other_seed"]]) is None
+
+
+def frame(entropy: dict[range, float], surge: int | None = None, k3: tuple[float, float] = (1e-3, 1e-3),
+          steps: int = 60) -> pd.DataFrame:
+    """A bypass run's training frame: the update's entropy at 1.0 except in ``entropy``'s ranges, the detector's
+    ``surge_step`` (-1 until it fires) and k3 at ``k3[0]`` over steps 1-30, ``k3[1]`` after."""
+    idx = range(1, steps + 1)
+    ent = pd.Series(1.0, index=idx)
+    for r, v in entropy.items():
+        ent[list(r)] = v
+    fired = [-1 if surge is None or s < surge else surge for s in idx]
+    return pd.DataFrame({"actor/entropy_loss": ent, real_stage0.SURGE: fired,
+                         real_stage0.K3: [k3[0] if s <= 30 else k3[1] for s in idx]}, index=idx)
+
+
+def test_entropy_rise_is_the_highest_5_step_median_over_the_first_ten_steps():
+    # 5 steps at 3.0 make the 5-step median 3.0 there: a 3x rise; a single spike moves no median of 5
+    assert real_stage0.entropy_rise(frame({range(40, 45): 3.0})) == pytest.approx(3.0)
+    assert real_stage0.entropy_rise(frame({range(40, 41): 9.0})) == pytest.approx(1.0)
+    # an early high in steps 1-10 is the reference, not a rise
+    assert real_stage0.entropy_rise(frame({range(1, 11): 2.0})) == pytest.approx(0.5)
+    # the recompute form's old-log-prob entropy (actor/entropy) is read first
+    df = frame({}).assign(**{"actor/entropy": 2.0})
+    df.loc[df.index > 30, "actor/entropy"] = 3.0
+    assert real_stage0.entropy_rise(df) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("run, control, reading", [
+    # stage 0 as it was: fired at 43, entropy ~2.9x; the control quiet and flat
+    (frame({range(30, 61): 2.9}, surge=43), frame({range(30, 61): 1.2}), "needs the sampler"),
+    # the control fires too: the drift is not the sampler's
+    (frame({range(30, 61): 2.9}, surge=43), frame({range(30, 61): 1.2}, surge=50), "does not need"),
+    # the control's entropy doubles without firing: drifts alike
+    (frame({range(30, 61): 2.9}, surge=43), frame({range(30, 61): 2.0}), "does not need"),
+    # the control rises 1.7x: neither outcome
+    (frame({range(30, 61): 2.9}, surge=43), frame({range(30, 61): 1.7}), "between"),
+    # the run itself did not fire: the control cannot tell
+    (frame({range(30, 61): 2.9}), frame({}), "between"),
+])
+def test_the_controls_reading_follows_the_registered_rule(run, control, reading):
+    assert reading in real_stage0.control_reading(run, control)["reading"]
+
+
+def test_the_reading_reports_both_runs_k3_early_and_late():
+    out = real_stage0.control_reading(frame({}, k3=(4e-3, 6e-3)), frame({}, k3=(1e-3, 2e-3)))
+    assert (out["k3 steps 1-10"], out["k3 last 10 steps"]) == (pytest.approx(4e-3), pytest.approx(6e-3))
+    assert (out["control's k3 steps 1-10"], out["control's k3 last 10 steps"]) == (pytest.approx(1e-3),
+                                                                                   pytest.approx(2e-3))

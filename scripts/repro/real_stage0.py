@@ -15,7 +15,8 @@ three hold:
 3. *after the learning*: the surge step is after the start of that best window.
 
 Each run is shown beside its control, the same run with the 1.0x sampler (same shape, LR, seed
-and mode), where one is archived. Writes ``stage0.md`` (the rule's numbers, the verdict, which
+and mode), where one is archived, with the reading registered for it (:func:`control_reading`).
+Writes ``stage0.md`` (the rule's numbers, the verdict, which
 condition failed) and ``stage0.png`` (length, score, k3, entropy against the step; the surge marked).
 """
 
@@ -84,6 +85,47 @@ def control_of(run_dir: Path, candidates: list[Path]) -> Path | None:
     return None
 
 
+def entropy_rise(df: pd.DataFrame) -> float:
+    """The highest 5-step median entropy after step 10 over the median of steps 1-10 (NaN without entropy).
+
+    Bypass mode has no old-log-prob pass: its entropy is the update's own ``actor/entropy_loss``."""
+    key = ENTROPY if ENTROPY in df else "actor/entropy_loss"
+    if key not in df:
+        return math.nan
+    s = df[key].dropna().sort_index()
+    # windows of steps after step 10 only: a window reaching back into steps 1-10 would mix the reference in
+    first, later = s[s.index <= WINDOW], s[s.index > WINDOW].rolling(5, min_periods=3).median().dropna()
+    return float(later.max() / first.median()) if len(first) and len(later) and first.median() > 0 else math.nan
+
+
+def _k3(df: pd.DataFrame, last: bool) -> float:
+    s = df[K3].dropna().sort_index() if K3 in df else pd.Series(dtype=float)
+    s = s[s.index > s.index.max() - WINDOW] if last and len(s) else s[s.index <= WINDOW]
+    return float(s.median()) if len(s) else math.nan
+
+
+def control_reading(run: pd.DataFrame, control: pd.DataFrame) -> dict:
+    """The reading registered for the control (PLAN_2026-12-03.md), from both runs' training frames.
+
+    *The drift needs the sampler* when the run fired and its entropy rose (>= 1.5x) while the control
+    did not fire and its entropy stayed below 1.5x; *it does not* when the control drifts alike
+    (entropy >= 2x, or it fires); anything else is *between*.
+    """
+    fired = {name: first_surge(df[SURGE]) if SURGE in df else None for name, df in (("run", run), ("control", control))}
+    rise = {"run": entropy_rise(run), "control": entropy_rise(control)}
+    if fired["control"] is not None or rise["control"] >= 2.0:
+        reading = "the drift does not need the sampler's mismatch (the control drifts alike)"
+    elif fired["run"] is not None and rise["run"] >= 1.5 and rise["control"] < 1.5:
+        reading = "the drift needs the sampler's mismatch (the control stays put)"
+    else:
+        reading = "between: neither registered outcome"
+    return {"surge step": fired["run"], "control's surge step": fired["control"],
+            "entropy rise": rise["run"], "control's entropy rise": rise["control"],
+            "k3 steps 1-10": _k3(run, False), "k3 last 10 steps": _k3(run, True),
+            "control's k3 steps 1-10": _k3(control, False), "control's k3 last 10 steps": _k3(control, True),
+            "reading": reading}
+
+
 def row(run_dir: Path) -> dict:
     df = training_frame(run_dir)
     planned = run_info(run_dir).get("steps")
@@ -129,6 +171,13 @@ def report(candidates: list[Path], out: Path) -> Path | None:
     rows = [row(d) for d, _ in pairs] + [row(c) for _, c in pairs if c is not None]
     text = ("Stage 0, the pre-registered rule (PLAN_2026-12-03.md); a control row (1.0x sampler) is judged by the "
             "same rule for comparison.\n\n" + _markdown(pd.DataFrame(rows).set_index("run")) + "\n")
+    readings = [{"run": d.name, "control": c.name, **control_reading(training_frame(d), training_frame(c))}
+                for d, c in pairs if c is not None]
+    if readings:
+        text += ("\nThe control's reading, registered when it started (PLAN_2026-12-03.md): does the drift need the "
+                 "sampler's mismatch? Entropy rise: the highest 5-step median after step 10 over the median of "
+                 "steps 1-10 (bypass mode: the update's `actor/entropy_loss`); k3: medians of steps 1-10 and of "
+                 "the last 10 steps.\n\n" + _markdown(pd.DataFrame(readings).set_index("run")) + "\n")
     return publish(text, out, "stage0", lambda path: figure(pairs, path))
 
 
