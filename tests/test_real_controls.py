@@ -75,3 +75,34 @@ def test_a_recompute_control_of_a_bypass_run(tmp_path, monkeypatch):
     ctl = make_run(tmp_path, monkeypatch, "rc", [60.0] * 20, 2e-2, lr=1e-5, mode="recompute", sampler_dtype="bf16")
     assert real_controls.pair_controls([ref, ctl]) == [(ctl, ref, "mode", None)]
     assert real_controls.report([ref, ctl], tmp_path / "report").read_text().count("uninformative") == 1
+
+
+@pytest.mark.parametrize("val, expected", [
+    ({0: 0.17, 50: 0.16, 100: 0.14}, "the failure needs the bf16 mismatch (D = 0.020)"),  # holds its base accuracy
+    ({0: 0.17, 50: 0.07, 100: 0.08}, "the failure does not need the bf16 mismatch (D = 0.095)"),  # pilot 4's own
+    ({0: 0.17, 50: 0.12, 100: 0.12}, "inconclusive (D = 0.050)"),
+    ({0: 0.17, 50: 0.07}, "the failure does not need the bf16 mismatch (D = 0.100, interim: step 50 only)"),
+    ({0: 0.17, 100: 0.17}, "not evaluated"),  # step 50's validation is missing
+    ({}, "not evaluated"),
+])
+def test_the_long_controls_rule_on_the_fp32_validation(val, expected):
+    assert real_controls.degradation_verdict(val, "sampler_dtype").startswith(expected)
+
+
+def test_a_long_control_is_read_over_its_own_steps(tmp_path, monkeypatch):
+    # pilot 4's shape: the reference runs 150 steps (short answers after step 100), the control 100
+    ref = make_run(tmp_path, monkeypatch, "pilot4", [60.0] * 100 + [20.0] * 50, 2e-3, lr=3e-5, steps=150)
+    ctl = make_run(tmp_path, monkeypatch, "rc", [60.0] * 100, 2e-3, lr=3e-5, steps=100, mode="recompute")
+    # a 60-step run of the same setting is too short to be a long control of the 150-step one
+    make_run(tmp_path, monkeypatch, "short", [60.0] * 60, 2e-3, lr=3e-5, steps=60, mode="recompute")
+    for run, val in ((ref, {0: 0.17, 50: 0.07, 100: 0.08, 150: 0.07}), (ctl, {0: 0.17, 50: 0.16, 100: 0.16})):
+        (run / "fp32_val.json").write_text(json.dumps({str(k): {"accuracy": v} for k, v in val.items()}))
+    assert real_controls.pair_controls(sorted(tmp_path.iterdir())) == [(ctl, ref, "mode", None)]
+
+    row = real_controls.row(ref, upto=100)
+    assert row["steps"] == 100 and row["length last 5"] == pytest.approx(60.0)  # not step 146-150's 20 tokens
+    assert row["fp32 val"] == "0: 0.17, 50: 0.07, 100: 0.08"  # step 150's validation is past the control's end
+
+    text = real_controls.report(sorted(tmp_path.iterdir()), tmp_path / "report").read_text()
+    assert "control rc (mode = recompute) against pilot4 (both over steps 1-100)" in text
+    assert "pre-registered verdict: the failure needs bypass's old log-probs (the sampler's) (D = 0.010)" in text

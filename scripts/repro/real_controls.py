@@ -13,10 +13,17 @@ the length over the first and last 5 steps and its highest 3-step median, the en
 the zero-gradient share, the fp32 validation where it ran; then the pre-registered verdict) and
 ``controls.png`` (length, entropy, k3 and score against the step, reference against control).
 
-The verdict is the rule written before run A started (PLAN_stop39.md), nothing fitted after:
-the control is only informative if its k3 is at most a tenth of the LR-0 run's (sanity); then the
-mean length over its last 5 steps >= 150 tokens says "the surge does not need the mismatch", <= 100
-says "the surge needs the mismatch", anything between is inconclusive.
+The verdict is the rule written before the control started, nothing fitted after:
+
+- a control as long as its reference (run A, PLAN_stop39.md): it is only informative if its k3 is
+  at most a tenth of the LR-0 run's (sanity); then the mean length over its last 5 steps >= 150
+  tokens says "the surge does not need the mismatch", <= 100 says "the surge needs the mismatch",
+  anything between is inconclusive;
+- a long control (>= ``LONG_STEPS`` steps, of a longer reference: pilot 4's, PLAN_2026-12-03.md),
+  both runs read over the control's steps: on the degradation D = fp32 validation at step 0 minus
+  the mean of those at steps 50 and 100, D <= 0.03 says "the failure needs" the field's setting
+  (bypass's old log-probs, the bf16 mismatch), D >= 0.07 says it does not, between is
+  inconclusive; without step 100's validation the reading is on step 50 alone, marked interim.
 """
 
 from __future__ import annotations
@@ -41,10 +48,23 @@ SHAPE = ("prompts", "samples", "max_response_length", "seed", "sampler_temperatu
 SANITY_K3_FRACTION = 0.1
 NO_NEED_LENGTH, NEED_LENGTH = 150.0, 100.0
 TAIL = 5
+# The long controls' thresholds (PLAN_2026-12-03.md: pilot 4's controls).
+LONG_STEPS = 100
+NEEDS_D, NO_NEED_D = 0.03, 0.07
+VAL_STEPS = (50, 100)
+NEEDS = {"mode": "bypass's old log-probs (the sampler's)", "sampler_dtype": "the bf16 mismatch"}
 
 
-def _shape(info: dict) -> tuple:
-    return tuple(info.get(k) for k in SHAPE)
+def _shape(info: dict, steps: bool = True) -> tuple:
+    return tuple(info.get(k) for k in SHAPE if steps or k != "steps")
+
+
+def _same_shape(control: dict, ref: dict) -> bool:
+    """The same shape, steps included; or a long control (>= LONG_STEPS) of a reference at least as long."""
+    if _shape(control) == _shape(ref):
+        return True
+    n, m = control.get("steps") or 0, ref.get("steps") or 0
+    return _shape(control, steps=False) == _shape(ref, steps=False) and LONG_STEPS <= n < m
 
 
 def pair_controls(candidates: list[Path]) -> list[tuple[Path, Path, str, Path | None]]:
@@ -61,7 +81,7 @@ def pair_controls(candidates: list[Path]) -> list[tuple[Path, Path, str, Path | 
             if value == default:
                 continue
             others = [f for f in CONTROL_FIELDS if f != field]
-            refs = [r for r, j in infos.items() if r != d and _shape(j) == _shape(i) and j.get("lr") == i.get("lr")
+            refs = [r for r, j in infos.items() if r != d and _same_shape(i, j) and j.get("lr") == i.get("lr")
                     and j.get(field, CONTROL_FIELDS[field]) == default
                     and all(j.get(o, CONTROL_FIELDS[o]) == i.get(o, CONTROL_FIELDS[o]) for o in others)]
             if not refs:
@@ -77,10 +97,19 @@ def _s(df: pd.DataFrame, key: str) -> pd.Series:
     return df[key].dropna() if key in df else pd.Series(dtype=float)
 
 
-def row(run_dir: Path) -> dict:
+def fp32_validation(run_dir: Path, upto: int | None = None) -> dict[int, float]:
+    """``{step: accuracy}`` of the run's fp32 validation (``real_eval.py``), steps <= ``upto``."""
+    path = run_dir / "fp32_val.json"
+    vals = {int(k): float(v["accuracy"]) for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
+    return {k: v for k, v in sorted(vals.items()) if upto is None or k <= upto}
+
+
+def row(run_dir: Path, upto: int | None = None) -> dict:
+    """One run's figures, over its steps <= ``upto`` (a long control's reference is read over the control's steps)."""
     df = training_frame(run_dir)
+    df = df[df.index <= upto] if upto is not None else df
     length, k3, gn = _s(df, LENGTH), _s(df, K3), _s(df, GN)
-    fp32 = run_dir / "fp32_val.json"
+    val = fp32_validation(run_dir, upto)
     return {"run": run_dir.name, "steps": len(length),
             "k3 median": float(k3.median()) if len(k3) else math.nan,
             f"length first {TAIL}": float(length.iloc[:TAIL].mean()) if len(length) else math.nan,
@@ -89,8 +118,7 @@ def row(run_dir: Path) -> dict:
             f"entropy last {TAIL}": float(_s(df, ENTROPY).iloc[-TAIL:].mean()) if ENTROPY in df else math.nan,
             "score mean": float(_s(df, SCORE).mean()) if SCORE in df else math.nan,
             "zero-gradient share": float((gn.abs() <= ZERO_GRAD).mean()) if len(gn) else math.nan,
-            "fp32 val": ", ".join(f"{k}: {v['accuracy']:.2f}" for k, v in json.loads(fp32.read_text()).items())
-            if fp32.exists() else "-"}
+            "fp32 val": ", ".join(f"{k}: {v:.2f}" for k, v in val.items()) or "-"}
 
 
 def verdict(control_k3: float, lr0_k3: float | None, control_tail_length: float) -> str:
@@ -102,6 +130,22 @@ def verdict(control_k3: float, lr0_k3: float | None, control_tail_length: float)
     if control_tail_length <= NEED_LENGTH:
         return "the surge needs the mismatch"
     return "inconclusive"
+
+
+def degradation_verdict(val: dict[int, float], field: str) -> str:
+    """The long controls' rule (module docstring) on ``{step: fp32 validation accuracy}``."""
+    if 0 not in val or VAL_STEPS[0] not in val:
+        return "not evaluated (fp32 validation at steps 0 and 50 needed)"
+    later = [val[k] for k in VAL_STEPS if k in val]
+    interim = VAL_STEPS[-1] not in val
+    d = val[0] - sum(later) / len(later)
+    if d <= NEEDS_D:
+        text = f"the failure needs {NEEDS[field]}"
+    elif d >= NO_NEED_D:
+        text = f"the failure does not need {NEEDS[field]}"
+    else:
+        text = "inconclusive"
+    return f"{text} (D = {d:.3f}" + (", interim: step 50 only)" if interim else ")")
 
 
 def figure(pairs: list[tuple[Path, Path, str, Path | None]], path: Path) -> Path:
@@ -130,11 +174,15 @@ def report(candidates: list[Path], out: Path) -> Path | None:
         return None
     parts = []
     for control, ref, field, lr0 in pairs:
-        rows = [row(r) for r in (ref, control, lr0) if r is not None]
+        long = run_info(control).get("steps") != run_info(ref).get("steps")
+        upto = run_info(control).get("steps") if long else None
+        rows = [row(r, upto) for r in (ref, control, lr0) if r is not None]
         table = pd.DataFrame(rows).set_index("run")
         lr0_k3 = rows[2]["k3 median"] if lr0 is not None else None
-        v = verdict(rows[1]["k3 median"], lr0_k3, rows[1][f"length last {TAIL}"])
-        parts.append(f"control {control.name} ({field} = {run_info(control).get(field)}) against {ref.name}\n\n"
+        v = (degradation_verdict(fp32_validation(control, upto), field) if long
+             else verdict(rows[1]["k3 median"], lr0_k3, rows[1][f"length last {TAIL}"]))
+        parts.append(f"control {control.name} ({field} = {run_info(control).get(field)}) against {ref.name}"
+                     + (f" (both over steps 1-{upto})" if long else "") + "\n\n"
                      + _markdown(table) + f"\n\npre-registered verdict: {v}\n")
     return publish("\n".join(parts), out, "controls", lambda path: figure(pairs, path))
 
