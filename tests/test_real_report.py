@@ -170,3 +170,16 @@ def test_the_step_time_table_gives_each_phase_median_and_the_update_per_sequence
     assert row["update s a sequence"] == pytest.approx(60.0 / 12)  # 2 prompts x 6 samples
     assert row["tokens a sequence"] == pytest.approx(300.0)
     assert row["old log-prob s"] != row["old log-prob s"]  # not logged: NaN, not 0
+
+
+def test_a_pilot_that_has_not_logged_a_step_yet_is_left_out(pilot, tmp_path):
+    # a run just started: vLLM is loading, its first segment's file exists and is empty
+    starting = pilot.parent / "bp_const-t1.03-lr1e-05-p2x6c192-s1"
+    starting.mkdir()
+    (starting / "metrics.part1.jsonl").write_text("")
+    assert real_report.pilot_runs(live=pilot.parent, kept=tmp_path / "kept") == [pilot]
+    # once archived (an earlier segment), the archived copy stands in for it
+    kept = real_report.archive(pilot, to=tmp_path / "kept")
+    (kept.parent / starting.name).mkdir()
+    (kept.parent / starting.name / "metrics.jsonl.gz").write_bytes((kept / "metrics.jsonl.gz").read_bytes())
+    assert real_report.pilot_runs(live=pilot.parent, kept=kept.parent) == [pilot, kept.parent / starting.name]

@@ -55,8 +55,11 @@ def _col(df: pd.DataFrame, key: str) -> pd.Series:
 
 
 def pilot_runs(live: Path = OUT, kept: Path = ARCHIVE) -> list[Path]:
-    """Every pilot under ``live`` (being or been run here), then every archived one not among them."""
-    runs = sorted(d for d in live.glob("*") if any(d.glob("metrics.part*.jsonl")))
+    """Every pilot under ``live`` (being or been run here), then every archived one not among them.
+
+    A live pilot that has not logged a step yet (its segments empty: vLLM still starting) is left out,
+    and its archived copy, if any, is read instead."""
+    runs = sorted(d for d in live.glob("*") if any(p.stat().st_size for p in d.glob("metrics.part*.jsonl")))
     names = {d.name for d in runs}
     return runs + sorted(d for d in kept.glob("*") if (d / "metrics.jsonl.gz").exists() and d.name not in names)
 
