@@ -106,3 +106,19 @@ def test_a_long_control_is_read_over_its_own_steps(tmp_path, monkeypatch):
     text = real_controls.report(sorted(tmp_path.iterdir()), tmp_path / "report").read_text()
     assert "control rc (mode = recompute) against pilot4 (both over steps 1-100)" in text
     assert "pre-registered verdict: the failure needs bypass's old log-probs (the sampler's) (D = 0.010)" in text
+
+
+def test_a_long_control_stopped_early_is_read_over_the_steps_it_logged(tmp_path, monkeypatch):
+    make_run(tmp_path, monkeypatch, "pilot4", [60.0] * 60 + [20.0] * 90, 2e-3, lr=3e-5, steps=150)
+    ctl = make_run(tmp_path, monkeypatch, "rc", [60.0] * 55, 2e-3, lr=3e-5, steps=100, mode="recompute")
+    (ctl / "fp32_val.json").write_text(json.dumps({"0": {"accuracy": 0.17}, "50": {"accuracy": 0.07},
+                                                   "bad": {"accuracy": 0.5}, "10": {"accuracy": None}}))
+    assert real_controls.fp32_validation(ctl) == {0: 0.17, 50: 0.07}  # the malformed entries are no validation
+    text = real_controls.report(sorted(tmp_path.iterdir()), tmp_path / "report").read_text()
+    assert "(both over steps 1-55)" in text
+    assert "| pilot4 | 55 |" in text  # the reference's 55 steps, all before its short answers from step 61
+    assert "the failure does not need bypass's old log-probs (the sampler's) (D = 0.100, interim: step 50 only)" in text
+
+
+def test_a_validation_that_is_not_a_number_is_not_evaluated():
+    assert real_controls.degradation_verdict({0: float("nan"), 50: 0.1}, "mode").startswith("not evaluated")

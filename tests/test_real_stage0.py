@@ -115,6 +115,8 @@ def test_entropy_rise_is_the_highest_5_step_median_over_the_first_ten_steps():
     # 5 steps at 3.0 make the 5-step median 3.0 there: a 3x rise; a single spike moves no median of 5
     assert real_stage0.entropy_rise(frame({range(40, 45): 3.0})) == pytest.approx(3.0)
     assert real_stage0.entropy_rise(frame({range(40, 41): 9.0})) == pytest.approx(1.0)
+    # nor right after step 10, where a window of fewer than 5 steps would be a median of 2 or 3
+    assert real_stage0.entropy_rise(frame({range(11, 13): 9.0})) == pytest.approx(1.0)
     # an early high in steps 1-10 is the reference, not a rise
     assert real_stage0.entropy_rise(frame({range(1, 11): 2.0})) == pytest.approx(0.5)
     # the recompute form's old-log-prob entropy (actor/entropy) is read first
@@ -134,6 +136,8 @@ def test_entropy_rise_is_the_highest_5_step_median_over_the_first_ten_steps():
     (frame({range(30, 61): 2.9}, surge=43), frame({range(30, 61): 1.7}), "between"),
     # the run itself did not fire: the control cannot tell
     (frame({range(30, 61): 2.9}), frame({}), "between"),
+    # a longer control that fires after step 60 only: the reading looks up to step 60
+    (frame({range(30, 61): 2.9}, surge=43), frame({range(30, 101): 1.2}, surge=80, steps=100), "needs the sampler"),
 ])
 def test_the_controls_reading_follows_the_registered_rule(run, control, reading):
     assert reading in real_stage0.control_reading(run, control)["reading"]

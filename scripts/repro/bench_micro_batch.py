@@ -2,6 +2,7 @@
 """What the actor update's micro-batch size costs on the real model (issue 32's step time), side by side.
 
 Usage: python scripts/repro/bench_micro_batch.py [--sizes 12 4 2 1] [--rounds 2] [--threads 2]
+    [--check-packing] [--attn sdpa|eager]
 
 The update is 60-85 % of a real-model step (``timing.md``). verl's FSDP engine pads each micro-batch
 to its longest sequence (nested tensors, ``use_remove_padding: false``: packing needs flash-attn,
@@ -30,10 +31,10 @@ RESPONSES = (40, 45, 50, 55, 60, 65, 70, 80, 90, 110, 150, 192)  # a 2 x 6 batch
 PILOTS = 4  # the pilots' ppo_micro_batch_size_per_gpu
 
 
-def load(model_dir: Path):
+def load(model_dir: Path, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -84,6 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2: the verl worker's)")
     p.add_argument("--assets", type=Path, default=REPO / ".assets-real", help="make assets-real's folder")
     p.add_argument("--check-packing", action="store_true")
+    p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
+                   help="transformers' attention (default sdpa: configs/cpu_demo.yaml's)")
     args = p.parse_args(argv)
     if any(s < 1 for s in args.sizes) or args.rounds < 1:
         p.error("--sizes and --rounds must be >= 1")
@@ -91,7 +94,7 @@ def main(argv=None) -> int:
         p.error(f"no model under {args.assets}: run `make install-real` (it builds .assets-real)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, tokenizer = load(args.assets / "model")
+    model, tokenizer = load(args.assets / "model", args.attn)
     if args.check_packing:
         err, scale = packing_error(model.eval())
         print(f"packed forward, second sequence: max |logit diff| {err:.3g} (logits up to {scale:.3g}): "

@@ -60,7 +60,7 @@ def _shape(info: dict, steps: bool = True) -> tuple:
 
 
 def _same_shape(control: dict, ref: dict) -> bool:
-    """The same shape, steps included; or a long control (>= LONG_STEPS) of a reference at least as long."""
+    """The same shape, steps included; or a long control (>= LONG_STEPS planned) of a longer reference."""
     if _shape(control) == _shape(ref):
         return True
     n, m = control.get("steps") or 0, ref.get("steps") or 0
@@ -100,7 +100,12 @@ def _s(df: pd.DataFrame, key: str) -> pd.Series:
 def fp32_validation(run_dir: Path, upto: int | None = None) -> dict[int, float]:
     """``{step: accuracy}`` of the run's fp32 validation (``real_eval.py``), steps <= ``upto``."""
     path = run_dir / "fp32_val.json"
-    vals = {int(k): float(v["accuracy"]) for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
+    raw = json.loads(path.read_text()) if path.exists() else {}
+    vals = {}
+    for k, v in raw.items():  # a step that is no number or an accuracy that is none is no validation
+        acc = v.get("accuracy") if isinstance(v, dict) else None
+        if str(k).isdigit() and isinstance(acc, (int, float)) and math.isfinite(acc):
+            vals[int(k)] = float(acc)
     return {k: v for k, v in sorted(vals.items()) if upto is None or k <= upto}
 
 
@@ -139,6 +144,8 @@ def degradation_verdict(val: dict[int, float], field: str) -> str:
     later = [val[k] for k in VAL_STEPS if k in val]
     interim = VAL_STEPS[-1] not in val
     d = val[0] - sum(later) / len(later)
+    if not math.isfinite(d):
+        return "not evaluated (a validation is not a number)"
     if d <= NEEDS_D:
         text = f"the failure needs {NEEDS[field]}"
     elif d >= NO_NEED_D:
@@ -175,7 +182,9 @@ def report(candidates: list[Path], out: Path) -> Path | None:
     parts = []
     for control, ref, field, lr0 in pairs:
         long = run_info(control).get("steps") != run_info(ref).get("steps")
-        upto = run_info(control).get("steps") if long else None
+        # a control stopped early is read, with its reference, over the steps it logged
+        logged = training_frame(control).index
+        upto = min(run_info(control)["steps"], int(logged.max()) if len(logged) else 0) if long else None
         rows = [row(r, upto) for r in (ref, control, lr0) if r is not None]
         table = pd.DataFrame(rows).set_index("run")
         lr0_k3 = rows[2]["k3 median"] if lr0 is not None else None

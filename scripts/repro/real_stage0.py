@@ -40,6 +40,7 @@ WINDOW = 10  # steps of the score's first and best windows
 LEARN_FACTOR = 2.0
 LATEST_SURGE = 45
 TEMPERATURES = (1.0, 1.1)  # a stage-0 sampler lies strictly between these
+CONTROL_STEPS = 60  # the control's reading looks at its detector up to this step (PLAN_2026-12-03.md)
 SAME = ("prompts", "samples", "max_response_length", "seed", "lr", "mode", "sampler_dtype")
 
 
@@ -88,13 +89,15 @@ def control_of(run_dir: Path, candidates: list[Path]) -> Path | None:
 def entropy_rise(df: pd.DataFrame) -> float:
     """The highest 5-step median entropy after step 10 over the median of steps 1-10 (NaN without entropy).
 
-    Bypass mode has no old-log-prob pass: its entropy is the update's own ``actor/entropy_loss``."""
+    Full windows of 5 logged steps, all after step 10 (a 2-step spike moves no median of 5). Bypass mode
+    has no old-log-prob pass: its entropy is the update's own ``actor/entropy_loss`` (a recompute run's
+    ``actor/entropy`` is read first)."""
     key = ENTROPY if ENTROPY in df else "actor/entropy_loss"
     if key not in df:
         return math.nan
     s = df[key].dropna().sort_index()
     # windows of steps after step 10 only: a window reaching back into steps 1-10 would mix the reference in
-    first, later = s[s.index <= WINDOW], s[s.index > WINDOW].rolling(5, min_periods=3).median().dropna()
+    first, later = s[s.index <= WINDOW], s[s.index > WINDOW].rolling(5).median().dropna()
     return float(later.max() / first.median()) if len(first) and len(later) and first.median() > 0 else math.nan
 
 
@@ -107,15 +110,18 @@ def _k3(df: pd.DataFrame, last: bool) -> float:
 def control_reading(run: pd.DataFrame, control: pd.DataFrame) -> dict:
     """The reading registered for the control (PLAN_2026-12-03.md), from both runs' training frames.
 
-    *The drift needs the sampler* when the run fired and its entropy rose (>= 1.5x) while the control
-    did not fire and its entropy stayed below 1.5x; *it does not* when the control drifts alike
-    (entropy >= 2x, or it fires); anything else is *between*.
+    *The drift needs the sampler* when the control did not fire by step 60 and its entropy stayed below
+    1.5x; *it does not* when the control drifts alike (entropy >= 2x, or it fires by step 60); anything
+    else is *between*. The plan states stage 0's own drift (it fired at 43, its entropy rose) as a fact;
+    here it is checked too (the run fired, its entropy rose >= 1.5x), so that another stage-0 run
+    without a drift of its own is never read as "needs".
     """
     fired = {name: first_surge(df[SURGE]) if SURGE in df else None for name, df in (("run", run), ("control", control))}
+    control_fires = fired["control"] is not None and fired["control"] <= CONTROL_STEPS
     rise = {"run": entropy_rise(run), "control": entropy_rise(control)}
-    if fired["control"] is not None or rise["control"] >= 2.0:
+    if control_fires or rise["control"] >= 2.0:
         reading = "the drift does not need the sampler's mismatch (the control drifts alike)"
-    elif fired["run"] is not None and rise["run"] >= 1.5 and rise["control"] < 1.5:
+    elif not control_fires and fired["run"] is not None and rise["run"] >= 1.5 and rise["control"] < 1.5:
         reading = "the drift needs the sampler's mismatch (the control stays put)"
     else:
         reading = "between: neither registered outcome"
