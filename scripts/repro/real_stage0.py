@@ -145,10 +145,12 @@ def row(run_dir: Path) -> dict:
 def figure(pairs: list[tuple[Path, Path | None]], path: Path) -> Path:
     keys = (LENGTH, SCORE, K3, ENTROPY)
     fig, axes = plt.subplots(len(keys), 1, figsize=(8, 10), sharex=True)
+    drawn = set()
     for run_dir, control in pairs:
         for d, style in ((run_dir, "-"), (control, ":")):
-            if d is None:
-                continue
+            if d is None or d in drawn:
+                continue  # two stage-0 runs may share their control: drawn once
+            drawn.add(d)
             df = training_frame(d)
             surge = first_surge(df[SURGE]) if SURGE in df else None
             for ax, key in zip(axes, keys):
