@@ -148,3 +148,25 @@ def test_the_reading_reports_both_runs_k3_early_and_late():
     assert (out["k3 steps 1-10"], out["k3 last 10 steps"]) == (pytest.approx(4e-3), pytest.approx(6e-3))
     assert (out["control's k3 steps 1-10"], out["control's k3 last 10 steps"]) == (pytest.approx(1e-3),
                                                                                    pytest.approx(2e-3))
+
+
+def test_two_stage0_runs_sharing_their_control_list_it_once(tmp_path, monkeypatch):
+    from verl.utils.tracking import Tracking
+
+    base = {"prompts": 2, "samples": 6, "max_response_length": 192, "seed": 1, "lr": 1e-5, "mode": "bypass",
+            "sampler_dtype": "bf16", "steps": 20}
+    for name, t in (("t105", 1.05), ("t103", 1.03), ("ctl", 1.0)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "run.json").write_text(json.dumps({**base, "sampler_temperature": t}))
+        monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(run / "metrics.part1.jsonl"))
+        tracker = Tracking(project_name="p", experiment_name=name, default_backend=["file"])
+        for step in range(1, 21):
+            tracker.log({"response_length/mean": 50.0, "critic/score/mean": 0.1, "actor/entropy_loss": 1.0,
+                         "actor/mismatch/k3": 1e-3, real_stage0.SURGE: -1}, step=step)
+        tracker.finish()
+    text = real_stage0.report(sorted(tmp_path.iterdir()), tmp_path / "report").read_text()
+    lines = text.splitlines()
+    assert sum(line.startswith("| ctl |") for line in lines) == 1  # one verdict row for the shared control
+    assert sum(line.startswith(("| t105 | ctl |", "| t103 | ctl |")) for line in lines) == 2  # a reading each
+    assert (tmp_path / "report" / "stage0.png").stat().st_size > 10_000

@@ -176,7 +176,8 @@ def report(candidates: list[Path], out: Path) -> Path | None:
         print("stage0: no stage-0 run (bypass mode, a sampler between 1.0x and 1.1x)")
         return None
     pairs = [(d, control_of(d, candidates)) for d in runs]
-    rows = [row(d) for d, _ in pairs] + [row(c) for _, c in pairs if c is not None]
+    controls = list(dict.fromkeys(c for _, c in pairs if c is not None))  # a shared control: one row
+    rows = [row(d) for d, _ in pairs] + [row(c) for c in controls]
     text = ("Stage 0, the pre-registered rule (PLAN_2026-12-03.md); a control row (1.0x sampler) is judged by the "
             "same rule for comparison.\n\n" + _markdown(pd.DataFrame(rows).set_index("run")) + "\n")
     readings = [{"run": d.name, "control": c.name, **control_reading(training_frame(d), training_frame(c))}
