@@ -86,13 +86,18 @@ def control_of(run_dir: Path, candidates: list[Path]) -> Path | None:
     return None
 
 
+def entropy_key(df: pd.DataFrame) -> str:
+    """verl's ``actor/entropy`` (the old-log-prob pass); bypass mode has none: the update's own ``actor/entropy_loss``."""
+    return ENTROPY if ENTROPY in df else "actor/entropy_loss"
+
+
 def entropy_rise(df: pd.DataFrame) -> float:
     """The highest 5-step median entropy after step 10 over the median of steps 1-10 (NaN without entropy).
 
     Full windows of 5 logged steps, all after step 10 (a 2-step spike moves no median of 5). Bypass mode
     has no old-log-prob pass: its entropy is the update's own ``actor/entropy_loss`` (a recompute run's
     ``actor/entropy`` is read first)."""
-    key = ENTROPY if ENTROPY in df else "actor/entropy_loss"
+    key = entropy_key(df)
     if key not in df:
         return math.nan
     s = df[key].dropna().sort_index()
@@ -154,8 +159,7 @@ def figure(pairs: list[tuple[Path, Path | None]], path: Path) -> Path:
             df = training_frame(d)
             surge = first_surge(df[SURGE]) if SURGE in df else None
             for ax, key in zip(axes, keys):
-                # bypass mode has no old-log-prob pass: the update's own entropy (calculate_entropy)
-                key = key if key in df or key != ENTROPY else "actor/entropy_loss"
+                key = entropy_key(df) if key == ENTROPY else key
                 if key in df:
                     s = df[key].dropna()
                     line, = ax.plot(s.index, s, style, marker="o", ms=2, alpha=0.4, label=d.name)
