@@ -170,3 +170,40 @@ def test_two_stage0_runs_sharing_their_control_list_it_once(tmp_path, monkeypatc
     assert sum(line.startswith("| ctl |") for line in lines) == 1  # one verdict row for the shared control
     assert sum(line.startswith(("| t105 | ctl |", "| t103 | ctl |")) for line in lines) == 2  # a reading each
     assert (tmp_path / "report" / "stage0.png").stat().st_size > 10_000
+
+
+def test_a_longer_control_is_read_on_steps_1_to_60_only():
+    # the control's entropy doubles from step 70: after the registered window, so it still "stays put"
+    run, control = frame({range(30, 61): 2.9}, surge=43), frame({range(70, 101): 2.5}, steps=100)
+    out = real_stage0.control_reading(run, control, cause=real_stage0.BYPASS_CAUSE)
+    assert out["reading"] == "the drift needs bypass's old log-probs (the control stays put)"
+    assert out["control's entropy rise"] == pytest.approx(1.0)
+    # the same drift inside the window is read as the control drifting alike
+    early = frame({range(40, 101): 2.5}, steps=100)
+    assert "does not need bypass's" in real_stage0.control_reading(run, early, real_stage0.BYPASS_CAUSE)["reading"]
+
+
+def test_a_stage0_run_is_read_against_its_recompute_control_too(tmp_path, monkeypatch):
+    from verl.utils.tracking import Tracking
+
+    base = {"prompts": 2, "samples": 6, "max_response_length": 192, "seed": 1, "lr": 1e-5, "sampler_dtype": "bf16"}
+    runs = {"t105": ("bypass", 1.05, 60), "ctl": ("bypass", 1.0, 60), "rc105": ("recompute", 1.05, 100),
+            "rc1": ("recompute", 1.0, 100), "rc103": ("recompute", 1.03, 100)}  # the last two: not its controls
+    for name, (mode, t, steps) in runs.items():
+        run = tmp_path / name
+        run.mkdir()
+        (run / "run.json").write_text(json.dumps({**base, "mode": mode, "sampler_temperature": t, "steps": steps}))
+        monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(run / "metrics.part1.jsonl"))
+        tracker = Tracking(project_name="p", experiment_name=name, default_backend=["file"])
+        for step in range(1, steps + 1):
+            drift = name == "t105" and step > 30
+            tracker.log({"response_length/mean": 50.0, "critic/score/mean": 0.1,
+                         "actor/entropy_loss" if mode == "bypass" else "actor/entropy": 3.0 if drift else 1.0,
+                         "actor/mismatch/k3": 1e-3, real_stage0.SURGE: 43 if drift and step >= 43 else -1}, step=step)
+        tracker.finish()
+    assert real_stage0.controls_of(tmp_path / "t105", sorted(tmp_path.iterdir())) == [
+        (tmp_path / "ctl", real_stage0.SAMPLER_CAUSE), (tmp_path / "rc105", real_stage0.BYPASS_CAUSE)]
+    text = real_stage0.report(sorted(tmp_path.iterdir()), tmp_path / "report").read_text()
+    assert "| t105 | rc105 | bypass's old log-probs |" in text
+    assert "the drift needs bypass's old log-probs (the control stays put)" in text
+    assert "| t105 | ctl | the sampler's mismatch |" in text

@@ -14,8 +14,10 @@ three hold:
 2. *the detector fires* (``actor/lrstab/surge_step``, logged by ``monitor_only``) at step <= 45;
 3. *after the learning*: the surge step is after the start of that best window.
 
-Each run is shown beside its control, the same run with the 1.0x sampler (same shape, LR, seed
-and mode), where one is archived, with the reading registered for it (:func:`control_reading`).
+Each run is shown beside its controls, where one is archived, with the reading registered for it
+(:func:`control_reading`): the same run with the 1.0x sampler (same shape, LR, seed and mode: does the
+drift need the sampler's mismatch?) and the same run in recompute mode (same sampler: does it need
+bypass's old log-probs? pilot 2b's control, read on the steps both logged).
 Writes ``stage0.md`` (the rule's numbers, the verdict, which
 condition failed) and ``stage0.png`` (length, score, k3, entropy against the step; the surge marked).
 """
@@ -40,7 +42,8 @@ WINDOW = 10  # steps of the score's first and best windows
 LEARN_FACTOR = 2.0
 LATEST_SURGE = 45
 TEMPERATURES = (1.0, 1.1)  # a stage-0 sampler lies strictly between these
-CONTROL_STEPS = 60  # the control's reading looks at its detector up to this step (PLAN_2026-12-03.md)
+CONTROL_STEPS = 60  # the control's reading looks at both runs up to this step (PLAN_2026-12-03.md)
+SAMPLER_CAUSE, BYPASS_CAUSE = "the sampler's mismatch", "bypass's old log-probs"
 SAME = ("prompts", "samples", "max_response_length", "seed", "lr", "mode", "sampler_dtype")
 
 
@@ -75,15 +78,30 @@ def verdict(score: pd.Series, surge_step: int | None) -> dict:
             "verdict": "go" if not failed else "no-go (" + ", ".join(f"not: {f}" for f in failed) + ")"}
 
 
-def control_of(run_dir: Path, candidates: list[Path]) -> Path | None:
-    """The run of the same shape, LR, seed and mode with the 1.0x sampler, or None."""
-    info = run_info(run_dir)
+def _find(run_dir: Path, candidates: list[Path], **differs) -> Path | None:
+    """The first other candidate with ``run_dir``'s ``SAME`` fields and sampler temperature, but ``differs``."""
+    want = {**{k: run_info(run_dir).get(k) for k in (*SAME, "sampler_temperature")}, **differs}
     for c in candidates:
         j = run_info(c)
-        if c != run_dir and float(j.get("sampler_temperature", 1.0)) == 1.0 \
-                and all(j.get(k) == info.get(k) for k in SAME):
+        if c != run_dir and all(j.get(k) == v for k, v in want.items()):
             return c
     return None
+
+
+def control_of(run_dir: Path, candidates: list[Path]) -> Path | None:
+    """The run of the same shape, LR, seed and mode with the 1.0x sampler, or None."""
+    return _find(run_dir, candidates, sampler_temperature=1.0)
+
+
+def recompute_control_of(run_dir: Path, candidates: list[Path]) -> Path | None:
+    """The run of the same shape, LR, seed and sampler in recompute mode (pilot 2b's control), or None."""
+    return _find(run_dir, candidates, mode="recompute")
+
+
+def controls_of(run_dir: Path, candidates: list[Path]) -> list[tuple[Path, str]]:
+    """``(control, cause it isolates)`` for each archived control of a stage-0 run."""
+    found = ((control_of(run_dir, candidates), SAMPLER_CAUSE), (recompute_control_of(run_dir, candidates), BYPASS_CAUSE))
+    return [(c, cause) for c, cause in found if c is not None]
 
 
 def entropy_key(df: pd.DataFrame) -> str:
@@ -112,22 +130,24 @@ def _k3(df: pd.DataFrame, last: bool) -> float:
     return float(s.median()) if len(s) else math.nan
 
 
-def control_reading(run: pd.DataFrame, control: pd.DataFrame) -> dict:
-    """The reading registered for the control (PLAN_2026-12-03.md), from both runs' training frames.
+def control_reading(run: pd.DataFrame, control: pd.DataFrame, cause: str = SAMPLER_CAUSE) -> dict:
+    """The reading registered for a control (PLAN_2026-12-03.md), from both runs' training frames.
 
-    *The drift needs the sampler* when the control did not fire by step 60 and its entropy stayed below
-    1.5x; *it does not* when the control drifts alike (entropy >= 2x, or it fires by step 60); anything
-    else is *between*. The plan states stage 0's own drift (it fired at 43, its entropy rose) as a fact;
-    here it is checked too (the run fired, its entropy rose >= 1.5x), so that another stage-0 run
-    without a drift of its own is never read as "needs".
+    Both runs are read on their steps <= ``CONTROL_STEPS`` (a longer control's later steps decide
+    nothing). *The drift needs* ``cause`` when the control did not fire and its entropy stayed below
+    1.5x; *it does not* when the control drifts alike (entropy >= 2x, or it fires); anything else is
+    *between*. The plan states stage 0's own drift (it fired at 43, its entropy rose) as a fact; here
+    it is checked too (the run fired, its entropy rose >= 1.5x), so that another stage-0 run without a
+    drift of its own is never read as "needs".
     """
+    run, control = run[run.index <= CONTROL_STEPS], control[control.index <= CONTROL_STEPS]
     fired = {name: first_surge(df[SURGE]) if SURGE in df else None for name, df in (("run", run), ("control", control))}
-    control_fires = fired["control"] is not None and fired["control"] <= CONTROL_STEPS
+    control_fires = fired["control"] is not None
     rise = {"run": entropy_rise(run), "control": entropy_rise(control)}
     if control_fires or rise["control"] >= 2.0:
-        reading = "the drift does not need the sampler's mismatch (the control drifts alike)"
-    elif not control_fires and fired["run"] is not None and rise["run"] >= 1.5 and rise["control"] < 1.5:
-        reading = "the drift needs the sampler's mismatch (the control stays put)"
+        reading = f"the drift does not need {cause} (the control drifts alike)"
+    elif fired["run"] is not None and rise["run"] >= 1.5 and rise["control"] < 1.5:
+        reading = f"the drift needs {cause} (the control stays put)"
     else:
         reading = "between: neither registered outcome"
     return {"surge step": fired["run"], "control's surge step": fired["control"],
@@ -147,13 +167,13 @@ def row(run_dir: Path) -> dict:
     return out
 
 
-def figure(pairs: list[tuple[Path, Path | None]], path: Path) -> Path:
+def figure(pairs: list[tuple[Path, list[tuple[Path, str]]]], path: Path) -> Path:
     keys = (LENGTH, SCORE, K3, ENTROPY)
     fig, axes = plt.subplots(len(keys), 1, figsize=(8, 10), sharex=True)
     drawn = set()
-    for run_dir, control in pairs:
-        for d, style in ((run_dir, "-"), (control, ":")):
-            if d is None or d in drawn:
+    for run_dir, controls in pairs:
+        for d, style in ((run_dir, "-"), *((c, ":") for c, _ in controls)):
+            if d in drawn:
                 continue  # two stage-0 runs may share their control: drawn once
             drawn.add(d)
             df = training_frame(d)
@@ -179,18 +199,19 @@ def report(candidates: list[Path], out: Path) -> Path | None:
     if not runs:
         print("stage0: no stage-0 run (bypass mode, a sampler between 1.0x and 1.1x)")
         return None
-    pairs = [(d, control_of(d, candidates)) for d in runs]
-    controls = list(dict.fromkeys(c for _, c in pairs if c is not None))  # a shared control: one row
+    pairs = [(d, controls_of(d, candidates)) for d in runs]
+    controls = list(dict.fromkeys(c for _, cs in pairs for c, _ in cs))  # a shared control: one row
     rows = [row(d) for d, _ in pairs] + [row(c) for c in controls]
-    text = ("Stage 0, the pre-registered rule (PLAN_2026-12-03.md); a control row (1.0x sampler) is judged by the "
-            "same rule for comparison.\n\n" + _markdown(pd.DataFrame(rows).set_index("run")) + "\n")
-    readings = [{"run": d.name, "control": c.name, **control_reading(training_frame(d), training_frame(c))}
-                for d, c in pairs if c is not None]
+    text = ("Stage 0, the pre-registered rule (PLAN_2026-12-03.md); a control row (1.0x sampler, or recompute mode) "
+            "is judged by the same rule for comparison.\n\n" + _markdown(pd.DataFrame(rows).set_index("run")) + "\n")
+    readings = [{"run": d.name, "control": c.name, "cause tested": cause,
+                 **control_reading(training_frame(d), training_frame(c), cause)} for d, cs in pairs for c, cause in cs]
     if readings:
-        text += ("\nThe control's reading, registered when it started (PLAN_2026-12-03.md): does the drift need the "
-                 "sampler's mismatch? Entropy rise: the highest 5-step median after step 10 over the median of "
-                 "steps 1-10 (bypass mode: the update's `actor/entropy_loss`); k3: medians of steps 1-10 and of "
-                 "the last 10 steps.\n\n" + _markdown(pd.DataFrame(readings).set_index("run")) + "\n")
+        text += ("\nEach control's reading, registered when it started (PLAN_2026-12-03.md), on steps 1-"
+                 f"{CONTROL_STEPS} of both runs: does the drift need the cause the control removes? Entropy rise: "
+                 "the highest 5-step median after step 10 over the median of steps 1-10 (bypass mode: the update's "
+                 "`actor/entropy_loss`; recompute: `actor/entropy`); k3: medians of steps 1-10 and of the last 10 "
+                 "steps.\n\n" + _markdown(pd.DataFrame(readings).set_index("run")) + "\n")
     return publish(text, out, "stage0", lambda path: figure(pairs, path))
 
 
