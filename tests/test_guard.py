@@ -5,6 +5,7 @@ The supervisor itself runs verl's real ``main_ppo`` in ``tests/e2e/test_guard_e2
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +39,22 @@ def test_a_command_that_is_not_verls_main_ppo_is_refused(command):
 def test_the_command_splits_into_launcher_and_overrides():
     launcher, overrides = split_command(MAIN + ["--config-path", "/c", "--config-name", "x", "a=1", "b=2"])
     assert launcher == MAIN + ["--config-path", "/c", "--config-name", "x"] and overrides == ["a=1", "b=2"]
+
+
+def test_verls_config_is_composed_from_its_folder_as_from_its_module_without_importing_verl(tmp_path):
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    overrides = ["trainer.save_freq=4", "actor_rollout_ref.actor.optim.lr=3e-5", "algorithm.adv_estimator=grpo"]
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        expected = OmegaConf.to_yaml(compose(config_name="ppo_trainer", overrides=overrides))
+    assert OmegaConf.to_yaml(compose_config(MAIN, overrides, tmp_path)) == expected
+    # the guard's and admit's start: composing verl's config does not import verl (nor torch: ~5 s)
+    code = ("import sys; from verl_lrstab.guard.supervisor import compose_config; "
+            "compose_config(['python', '-m', 'verl.trainer.main_ppo'], ['trainer.save_freq=4'], None); "
+            "print(sorted(m for m in ('verl', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
 @pytest.mark.parametrize("overrides,message", [

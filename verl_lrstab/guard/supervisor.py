@@ -16,6 +16,7 @@ and ``metrics.jsonl`` (the final trajectory: each segment up to where the next o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -64,6 +65,16 @@ def split_command(command: Sequence[str]) -> tuple[list[str], list[str]]:
     return launcher, overrides
 
 
+def verl_config_dir() -> Optional[Path]:
+    """verl's ``verl/trainer/config`` folder, found without importing verl (its import, torch's included, takes
+    ~5 s; composing from the folder gives the same tree as from the module), or None."""
+    spec = importlib.util.find_spec("verl")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(root) / "trainer" / "config" / "ppo_trainer.yaml").is_file():
+            return Path(root) / "trainer" / "config"
+    return None
+
+
 def compose_config(launcher: list[str], overrides: list[str], cwd: Path):
     """verl's config tree as the command would build it (Hydra's compose; nothing resolved that is not read)."""
     from hydra import compose, initialize_config_dir, initialize_config_module
@@ -80,9 +91,12 @@ def compose_config(launcher: list[str], overrides: list[str], cwd: Path):
             name = arg.split("=", 1)[1]
     plain = [o for o in overrides if not o.startswith("hydra.")]
     if path is None:
-        with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-            return compose(config_name=name, overrides=plain)
-    directory = Path(path) if Path(path).is_absolute() else cwd / path
+        directory = verl_config_dir()
+        if directory is None:  # a verl without its config as files: Hydra's module path (imports verl, ~5 s)
+            with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+                return compose(config_name=name, overrides=plain)
+    else:
+        directory = Path(path) if Path(path).is_absolute() else cwd / path
     with initialize_config_dir(config_dir=str(directory.resolve()), version_base=None):
         return compose(config_name=name, overrides=plain)
 
