@@ -127,11 +127,28 @@ def test_a_save_freq_that_can_never_serve_is_refused_before_verl_starts(tmp_path
     assert not (run_dir / "checkpoints").exists()
 
 
+def test_the_guarded_run_before_its_trouble_is_the_unguarded_run(guarded, main_ppo):
+    # Until the trouble the guard only watches: the demo's first segment (monitor_only, saved every
+    # SAVE_FREQ steps, 20 planned) is bit for bit test_main_ppo_cpu's unguarded 5-step V1 run on those
+    # steps (cpu_demo.yaml samples with per-request seeds; checkpoints change nothing). This pair is
+    # also CI's check that two V1 runs are bit-identical. (The trouble-free guard's whole run, events
+    # included: the slow test below; its events: tests/test_guard_v2.py's stand-in runs.)
+    from test_main_ppo_cpu import SURGE, TRAINER, assert_bit_identical
+
+    _, events, _ = guarded
+    rb = next(e for e in events if e["event"] == "rollback")
+    first_segment = read_metrics(Path(rb["abandoned_metrics"]))
+    plain = main_ppo("short-v1", SURGE + TRAINER["v1"] + ["trainer.total_training_steps=5"]).metrics
+    # the first segment ran past step 5 unchanged: the guard acts only when it sees the trouble (step > 5)
+    assert sorted(plain) == [1, 2, 3, 4, 5] and rb["step"] > 5 and set(plain) <= set(first_segment)
+    assert_bit_identical({s: first_segment[s] for s in plain}, plain)
+
+
+@pytest.mark.slow  # one guarded run more; CI keeps the bit-for-bit pair above (the demo's first segment)
 def test_a_run_without_trouble_is_the_unguarded_run(tmp_path, assets_dir, main_ppo):
     # 5 steps, no surge yet (the detector needs its baseline first): the guard only watches, and
     # verl's run is bit for bit the run without it (cpu_demo.yaml samples with per-request seeds;
-    # checkpoints change nothing). The unguarded twin is test_main_ppo_cpu's 5-step V1 run (shared:
-    # one run fewer in make test); this pair is also CI's check that two V1 runs are bit-identical.
+    # checkpoints change nothing). The unguarded twin is test_main_ppo_cpu's 5-step V1 run (shared).
     from test_main_ppo_cpu import SURGE, TRAINER, assert_bit_identical
 
     short = SURGE + TRAINER["v1"] + ["trainer.total_training_steps=5"]
