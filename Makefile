@@ -98,8 +98,11 @@ demo-admit: install-vllm
 
 ## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer (vLLM's included), and the real
 ## model's asset build (its packages only: the tests build the assets into a temporary folder; an error without them).
+## The unit half runs on two pytest-xdist workers, a file to a worker (scripts/bench_test_workers.py measures it against one);
+## the end-to-end half one test at a time (two Ray clusters on one machine starve each other).
 test: install install-megatron install-vllm $(VENV)/.real-model-installed
-	LRSTAB_REQUIRE_REAL=1 $(PY) -m pytest -m "not slow" -q -rs --durations=25
+	LRSTAB_REQUIRE_REAL=1 $(PY) -m pytest -m "not e2e and not slow" -n 2 --dist loadfile -q -rs --durations=15
+	LRSTAB_REQUIRE_REAL=1 $(PY) -m pytest -m "e2e and not slow" -q -rs --durations=25
 
 test-unit: install
 	$(PY) -m pytest -m "not e2e" -q
