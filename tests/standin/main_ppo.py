@@ -51,7 +51,10 @@ def main():
     script = json.loads(Path(os.environ["STANDIN_SCRIPT"]).read_text()) if os.environ.get("STANDIN_SCRIPT") else {}
     counter = Path(os.environ.get("STANDIN_COUNTER", "standin_launches.txt"))
     launch = int(counter.read_text()) + 1 if counter.exists() else 1
-    counter.write_text(str(launch))
+    # atomic, so a test polling the counter never reads it half-written (empty)
+    tmp = counter.with_name(counter.name + f".{os.getpid()}.tmp")
+    tmp.write_text(str(launch))
+    os.replace(tmp, counter)
     if os.environ.get("STANDIN_PIDS"):
         with open(os.environ["STANDIN_PIDS"], "a") as f:
             f.write(f"{os.getpid()}\n")
