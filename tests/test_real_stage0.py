@@ -167,7 +167,9 @@ def test_two_stage0_runs_sharing_their_control_list_it_once(tmp_path, monkeypatc
         tracker.finish()
     text = real_stage0.report(sorted(tmp_path.iterdir()), tmp_path / "report").read_text()
     lines = text.splitlines()
-    assert sum(line.startswith("| ctl |") for line in lines) == 1  # one verdict row for the shared control
+    verdicts = text.split("Each control's reading")[0].splitlines()
+    assert sum(line.startswith("| ctl |") for line in verdicts) == 1  # one verdict row for the shared control
+    assert sum(line.startswith("| ctl |") for line in lines) == 2  # and one row in the figures table
     assert sum(line.startswith(("| t105 | ctl |", "| t103 | ctl |")) for line in lines) == 2  # a reading each
     assert (tmp_path / "report" / "stage0.png").stat().st_size > 10_000
 
@@ -207,3 +209,7 @@ def test_a_stage0_run_is_read_against_its_recompute_control_too(tmp_path, monkey
     assert "| t105 | rc105 | bypass's old log-probs |" in text
     assert "the drift needs bypass's old log-probs (the control stays put)" in text
     assert "| t105 | ctl | the sampler's mismatch |" in text
+    # the controls' figures, each run over all its steps: the recompute control's 100, the run's 60
+    figures = text.split("over all the steps each logged")[1]
+    assert figures.count("| rc105 | 100 |") == 1 and figures.count("| t105 | 60 |") == 1
+    assert "| rc1 |" not in figures and "| rc103 |" not in figures

@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
+from repro.real_controls import row as control_row  # noqa: E402
 from repro.real_dose import (ENTROPY, K3, LENGTH, SCORE, _markdown, main_for, publish, run_info,  # noqa: E402
                              save_figure, training_frame)
 
@@ -212,6 +213,12 @@ def report(candidates: list[Path], out: Path) -> Path | None:
                  "the highest 5-step median after step 10 over the median of steps 1-10 (bypass mode: the update's "
                  "`actor/entropy_loss`; recompute: `actor/entropy`); k3: medians of steps 1-10 and of the last 10 "
                  "steps.\n\n" + _markdown(pd.DataFrame(readings).set_index("run")) + "\n")
+        # the controls' table of issue 32 (fp32 validation, length, k3, zero-gradient share), each run over all
+        # the steps it logged: figures beside the reading, no second verdict
+        table = [control_row(d) for d, cs in pairs if cs] + [control_row(c) for c in controls]
+        text += ("\nEach run and its controls over all the steps each logged (fp32 validation by "
+                 "`real_eval.py`, `step: accuracy`; no verdict, the reading above is the registered one).\n\n"
+                 + _markdown(pd.DataFrame(table).set_index("run")) + "\n")
     return publish(text, out, "stage0", lambda path: figure(pairs, path))
 
 
