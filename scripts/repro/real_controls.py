@@ -157,9 +157,9 @@ def degradation_verdict(val: dict[int, float], field: str) -> str:
 
 def figure(pairs: list[tuple[Path, Path, str, Path | None]], path: Path) -> Path:
     keys = (LENGTH, ENTROPY, K3, SCORE)
-    fig, axes = plt.subplots(len(keys), len(pairs), figsize=(6.5 * len(pairs), 10), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(keys), len(pairs), figsize=(6.5 * len(pairs), 10), sharex="col", squeeze=False)
     for col, (control, ref, field, lr0) in enumerate(pairs):
-        for run_dir, label, style in ((ref, "reference", "-"), (control, f"control ({field})", "-"), (lr0, "LR 0", ":")):
+        for run_dir, label, style in ((ref, "reference", "-"), (control, f"control ({field} = {run_info(control).get(field)})", "-"), (lr0, "LR 0", ":")):
             if run_dir is None:
                 continue
             df = training_frame(run_dir)
