@@ -213,3 +213,34 @@ def test_a_stage0_run_is_read_against_its_recompute_control_too(tmp_path, monkey
     figures = text.split("over all the steps each logged")[1]
     assert figures.count("| rc105 | 100 |") == 1 and figures.count("| t105 | 60 |") == 1
     assert "| rc1 |" not in figures and "| rc103 |" not in figures
+
+
+ARCHIVE = Path(__file__).resolve().parents[1] / "scripts" / "repro" / "real_results"
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("control, cause, reading", [
+    ("bp_const-t1-lr1e-05-p2x6c192-s1", real_stage0.SAMPLER_CAUSE, "the drift needs the sampler's mismatch"),
+    ("rc_const-t1.05-lr1e-05-p2x6c192-s1", real_stage0.BYPASS_CAUSE, "the drift needs bypass's old log-probs"),
+])
+def test_the_readmes_stage0_readings_are_the_archives(control, cause, reading):
+    # the README states each registered reading in bold; recomputed here from the archived runs alone
+    from repro.real_dose import training_frame
+
+    run = training_frame(ARCHIVE / "bp_const-t1.05-lr1e-05-p2x6c192-s1")
+    out = real_stage0.control_reading(run, training_frame(ARCHIVE / control), cause)
+    assert out["reading"].startswith(reading)
+    assert f"**{reading}**" in README.read_text(encoding="utf-8")
+
+
+def test_the_readmes_recompute_control_learns_in_the_archive():
+    # "learns (fp32 0.14 / 0.55 / 0.65 at 0 / 50 / 100), entropy falls, no alarm"
+    from repro.real_controls import fp32_validation
+    from repro.real_dose import training_frame
+
+    d = ARCHIVE / "rc_const-t1.05-lr1e-05-p2x6c192-s1"
+    val, df = fp32_validation(d), training_frame(d)
+    assert [round(val[k], 2) for k in (0, 50, 100)] == [0.14, 0.55, 0.65]
+    assert "fp32 0.14 / 0.55 / 0.65 at 0 / 50 / 100" in README.read_text(encoding="utf-8")
+    assert real_stage0.first_surge(df[real_stage0.SURGE]) is None
+    assert real_stage0.entropy_rise(df) < 1.0
