@@ -159,7 +159,8 @@ def figure(pairs: list[tuple[Path, Path, str, Path | None]], path: Path) -> Path
     keys = (LENGTH, ENTROPY, K3, SCORE)
     fig, axes = plt.subplots(len(keys), len(pairs), figsize=(6.5 * len(pairs), 10), sharex="col", squeeze=False)
     for col, (control, ref, field, lr0) in enumerate(pairs):
-        for run_dir, label, style in ((ref, "reference", "-"), (control, f"control ({field} = {run_info(control).get(field)})", "-"), (lr0, "LR 0", ":")):
+        control_label = f"control ({field} = {run_info(control).get(field)})"
+        for run_dir, label, style in ((ref, "reference", "-"), (control, control_label, "-"), (lr0, "LR 0", ":")):
             if run_dir is None:
                 continue
             df = training_frame(run_dir)
