@@ -55,6 +55,28 @@ def test_a_resumed_segment_replaces_the_steps_it_logged_again(pilot):
     assert row["surge_step"] == 25
 
 
+def test_a_segment_resumed_with_validation_before_training_keeps_the_checkpoint_steps_training_row(
+        tmp_path, monkeypatch):
+    # resumed from the checkpoint at 40 with val_before_train: segment 2's first row is step 40's validation only
+    from verl.utils.tracking import Tracking
+
+    run = tmp_path / "bp32_const-t1-lr3e-05-p2-s1"
+    run.mkdir()
+    log_segment(run / "metrics.part1.jsonl", monkeypatch, range(1, 46), lambda s: 40.0)
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(run / "metrics.part2.jsonl"))
+    tracker = Tracking(project_name="p", experiment_name="e", default_backend=["file"])
+    tracker.log({"val-core/word_problems/acc/mean@1": 0.172}, step=40)
+    for step in range(41, 51):
+        tracker.log({"response_length/mean": 60.0}, step=step)
+    tracker.finish()
+    df = real_report.load_run(real_report.metrics_file(run))
+    assert list(df.index) == list(range(0, 51))
+    assert df.loc[40, "response_length/mean"] == 40.0  # segment 1's training row at the checkpoint's step
+    assert df.loc[40, "val-core/word_problems/acc/mean@1"] == pytest.approx(0.172)
+    assert (df.loc[41:45, "response_length/mean"] == 60.0).all()  # steps trained again: segment 2's alone
+    assert df.loc[41:45, "critic/score/mean"].isna().all()
+
+
 def test_the_archive_gives_the_same_row_and_figure_without_the_outputs(pilot, tmp_path):
     live_row = real_report.summarize(pilot)
     kept = real_report.archive(pilot, to=tmp_path / "kept")

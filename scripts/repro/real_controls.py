@@ -36,8 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
-from repro.real_dose import (ENTROPY, GN, K3, LENGTH, SCORE, ZERO_GRAD, _markdown, main_for, publish,  # noqa: E402
-                             run_info, save_figure, training_frame)
+from repro.real_dose import (ENTROPY, GN, K3, LENGTH, SCORE, ZERO_GRAD, _markdown, entropy_key, main_for,  # noqa: E402
+                             publish, run_info, save_figure, training_frame)
 
 from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
 
@@ -114,13 +114,14 @@ def row(run_dir: Path, upto: int | None = None) -> dict:
     df = training_frame(run_dir)
     df = df[df.index <= upto] if upto is not None else df
     length, k3, gn = _s(df, LENGTH), _s(df, K3), _s(df, GN)
+    entropy = _s(df, entropy_key(df))  # bypass mode has no old-log-prob pass: the update's entropy
     val = fp32_validation(run_dir, upto)
     return {"run": run_dir.name, "steps": len(length),
             "k3 median": float(k3.median()) if len(k3) else math.nan,
             f"length first {TAIL}": float(length.iloc[:TAIL].mean()) if len(length) else math.nan,
             "length peak 3-step median": float(length.rolling(3).median().max()) if len(length) >= 3 else math.nan,
             f"length last {TAIL}": float(length.iloc[-TAIL:].mean()) if len(length) else math.nan,
-            f"entropy last {TAIL}": float(_s(df, ENTROPY).iloc[-TAIL:].mean()) if ENTROPY in df else math.nan,
+            f"entropy last {TAIL}": float(entropy.iloc[-TAIL:].mean()) if len(entropy) else math.nan,
             "score mean": float(_s(df, SCORE).mean()) if SCORE in df else math.nan,
             "zero-gradient share": float((gn.abs() <= ZERO_GRAD).mean()) if len(gn) else math.nan,
             "fp32 val": ", ".join(f"{k}: {v:.2f}" for k, v in val.items()) or "-"}
@@ -165,9 +166,9 @@ def figure(pairs: list[tuple[Path, Path, str, Path | None]], path: Path) -> Path
                 continue
             df = training_frame(run_dir)
             for ax, key in zip(axes[:, col], keys):
-                s = _s(df, key)
+                s = _s(df, entropy_key(df) if key == ENTROPY else key)  # bypass mode: the update's entropy
                 ax.plot(s.index, s, style, marker="o", ms=3, label=f"{label}: {run_dir.name}")
-                ax.set_ylabel(key)
+                ax.set_ylabel(key if key != ENTROPY else "entropy")
         axes[2, col].set_yscale("log")
         axes[0, col].legend(fontsize=7)
         axes[-1, col].set_xlabel("RL step")

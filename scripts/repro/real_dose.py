@@ -41,6 +41,11 @@ SHAPE = ("prompts", "samples", "max_response_length", "seed", "sampler_temperatu
 ZERO_GRAD = 1e-12
 
 
+def entropy_key(df: pd.DataFrame) -> str:
+    """verl's ``actor/entropy`` (the old-log-prob pass); bypass mode has none: the update's own ``actor/entropy_loss``."""
+    return ENTROPY if ENTROPY in df else "actor/entropy_loss"
+
+
 def run_info(run_dir: Path) -> dict:
     path = run_dir / "run.json"
     return json.loads(path.read_text()) if path.exists() else {}

@@ -147,16 +147,26 @@ def prune_checkpoints(run_dir: Path) -> None:
                 f.unlink()
 
 
+def _union(later: dict, earlier: dict) -> dict:
+    """``later``'s keys and values, in its order, then the keys only ``earlier`` has."""
+    return {**later, **{k: v for k, v in earlier.items() if k not in later}}
+
+
 def merge_segments(run_dir: Path) -> dict[int, dict]:
-    """``metrics.jsonl`` from the segments: each later segment replaces the steps it logged."""
+    """``metrics.jsonl`` from the segments: each later segment replaces the steps it logged.
+
+    A segment resumed from the checkpoint at step N with ``trainer.val_before_train=true`` logs its
+    validation at step N, validation keys only; step N's training metrics are the earlier segment's, so
+    that one step is the union of both (the later segment's keys winning), not the validation alone.
+    """
     parts = sorted((int(m.group(1)), p) for p in run_dir.glob("metrics.part*.jsonl") if (m := _PART.search(p.name)))
     merged: dict[int, dict] = {}
     for _, path in parts:
         seg = read_metrics(path)
         if seg:
             first = min(seg)
-            merged = {s: d for s, d in merged.items() if s < first}
-            merged.update(seg)
+            merged = {s: d for s, d in merged.items() if s <= first}
+            merged.update({s: _union(d, merged.get(s, {})) if s == first else d for s, d in seg.items()})
     with open(run_dir / "metrics.jsonl", "w") as f:
         for step in sorted(merged):
             f.write(json.dumps({"step": step, "data": merged[step]}) + "\n")

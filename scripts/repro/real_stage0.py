@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/`
 import pandas as pd  # noqa: E402
 
 from repro.real_controls import row as control_row  # noqa: E402
-from repro.real_dose import (ENTROPY, K3, LENGTH, SCORE, _markdown, main_for, publish, run_info,  # noqa: E402
-                             save_figure, training_frame)
+from repro.real_dose import (ENTROPY, K3, LENGTH, SCORE, _markdown, entropy_key, main_for, publish,  # noqa: E402
+                             run_info, save_figure, training_frame)
 
 from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
 
@@ -103,11 +103,6 @@ def controls_of(run_dir: Path, candidates: list[Path]) -> list[tuple[Path, str]]
     """``(control, cause it isolates)`` for each archived control of a stage-0 run."""
     found = ((control_of(run_dir, candidates), SAMPLER_CAUSE), (recompute_control_of(run_dir, candidates), BYPASS_CAUSE))
     return [(c, cause) for c, cause in found if c is not None]
-
-
-def entropy_key(df: pd.DataFrame) -> str:
-    """verl's ``actor/entropy`` (the old-log-prob pass); bypass mode has none: the update's own ``actor/entropy_loss``."""
-    return ENTROPY if ENTROPY in df else "actor/entropy_loss"
 
 
 def entropy_rise(df: pd.DataFrame) -> float:
