@@ -122,3 +122,26 @@ def test_a_long_control_stopped_early_is_read_over_the_steps_it_logged(tmp_path,
 
 def test_a_validation_that_is_not_a_number_is_not_evaluated():
     assert real_controls.degradation_verdict({0: float("nan"), 50: 0.1}, "mode").startswith("not evaluated")
+
+
+ARCHIVE = Path(__file__).resolve().parents[1] / "scripts" / "repro" / "real_results"
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("control, field, reading, d", [
+    ("rc_const-t1-lr3e-05-p2-s1", "mode", "the failure needs bypass's old log-probs (the sampler's)", 0.016),
+    ("bp32_const-t1-lr3e-05-p2-s1", "sampler_dtype", "the failure needs the bf16 mismatch", -0.012),
+])
+def test_the_readmes_pilot_4_readings_are_the_archives(control, field, reading, d):
+    # recomputed from the archived fp32 validations alone, by the rule registered before the controls ran
+    control_dir, pilot_4 = ARCHIVE / control, ARCHIVE / "bp_const-t1-lr3e-05-p2-s1"
+    assert real_controls.pair_controls([pilot_4, control_dir]) == [(control_dir, pilot_4, field, None)]
+    verdict = real_controls.degradation_verdict(real_controls.fp32_validation(control_dir, 100), field)
+    assert verdict == f"{reading} (D = {d:.3f})"
+    # pilot 4 itself degrades by the same rule: the controls are read against a real failure
+    assert real_controls.degradation_verdict(real_controls.fp32_validation(pilot_4, 100), field).startswith(
+        "the failure does not need")
+    readme = README.read_text(encoding="utf-8")
+    stated = {"mode": "**the degradation needs bypass's old log-probs**",
+              "sampler_dtype": "**the degradation needs the bf16 mismatch**"}[field]
+    assert stated in readme and f"D = {d:.3f}" in readme
