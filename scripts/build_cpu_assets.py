@@ -15,8 +15,8 @@ import os
 import time
 from pathlib import Path
 
-from verl_lrstab.cpu.assets import ENV_VAR, build_assets
-from verl_lrstab.cpu.launch import REPO_ROOT
+from verl_lrstab_cpu.assets import ENV_VAR, build_assets
+from verl_lrstab_cpu.launch import REPO_ROOT
 
 
 def main(argv=None) -> None:

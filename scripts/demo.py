@@ -15,8 +15,8 @@
 package's fp32 ``transformers`` stand-in instead: the same run without vLLM, its k3 float noise (~1e-13).
 
 ``--model real`` (``make demo-real``; needs ``make install-real``) trains a real pretrained model,
-SmolLM2-135M-Instruct (``verl_lrstab/cpu/real_model.py``), on easy arithmetic word problems with a
-correctness reward (``verl_lrstab/cpu/word_problems.py``), with verl's vLLM rollout in bf16,
+SmolLM2-135M-Instruct (``cpu_backend/verl_lrstab_cpu/real_model.py``), on easy arithmetic word problems with a
+correctness reward (``cpu_backend/verl_lrstab_cpu/word_problems.py``), with verl's vLLM rollout in bf16,
 ``length_surge`` with the package's default detector options, LR 5e-6, responses up to 256 tokens,
 10 steps by default (measured on 2 shared cores: 110-191 s a step, 26 min in all, start-up included).
 
@@ -32,10 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-from verl_lrstab.cpu import real_model
-from verl_lrstab.cpu.assets import build_assets
-from verl_lrstab.cpu.launch import REPO_ROOT, print_new_steps, run_main_ppo
-from verl_lrstab.cpu.vllm_assets import build_vllm_assets
+from verl_lrstab_cpu import real_model
+from verl_lrstab_cpu.assets import build_assets
+from verl_lrstab_cpu.launch import REPO_ROOT, print_new_steps, run_main_ppo
+from verl_lrstab_cpu.vllm_assets import build_vllm_assets
 
 REAL_STEPS, REAL_STEP_S, START_S = 10, 240, 600  # --model real: default steps; timeout = START_S + REAL_STEP_S x steps
 
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
     if args.rollout == "vllm":
-        from verl_lrstab.cpu.vllm_rollout import vllm_cpu_available
+        from verl_lrstab_cpu.vllm_rollout import vllm_cpu_available
 
         if not vllm_cpu_available():
             print("error: --rollout vllm (the default) needs vLLM's CPU build and its metadata shim: run `make demo` "
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     overrides = [f"trainer.total_training_steps={args.steps}", f"trainer.use_v1={args.trainer == 'v1'}"]
     env = None
     if args.rollout == "vllm":
-        from verl_lrstab.cpu.vllm_rollout import CONFIG_OVERRIDE, loopback_env
+        from verl_lrstab_cpu.vllm_rollout import CONFIG_OVERRIDE, loopback_env
 
         overrides.append(CONFIG_OVERRIDE)
         env = loopback_env()
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         f"timeout {args.timeout:.0f}s); full log in {args.out / 'metrics.log'}",
         flush=True,
     )
-    from verl_lrstab.cpu.vllm_rollout import engine_shm_cleanup
+    from verl_lrstab_cpu.vllm_rollout import engine_shm_cleanup
 
     with engine_shm_cleanup():  # the psm_* segments vLLM's engine leaves in /dev/shm
         result = run_main_ppo(

@@ -14,7 +14,7 @@ against the default budget (median k3 5e-4):
                 heavier-tailed distribution than the one the trainer scores
 ==============  ======================================================================
 
-The last two are this package's CPU amplifiers (``verl_lrstab.cpu.vllm_server``), passed as
+The last two are this package's CPU amplifiers (``verl_lrstab_cpu.vllm_server``), passed as
 ``env:`` tokens of the candidates. Writes ``admit.json``, ``admit.md`` and ``admit.png`` (each
 candidate's per-token |d| distribution) under ``--out``; the last line printed is the JSON's path.
 
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from verl_lrstab.cpu.launch import CONFIG_DIR, REPO_ROOT, cpu_env
+from verl_lrstab_cpu.launch import CONFIG_DIR, REPO_ROOT, cpu_env
 
 CANDIDATES = {
     "fp32": "actor_rollout_ref.rollout.dtype=float32",
@@ -53,8 +53,8 @@ def main(argv=None) -> int:
 
     from verl_lrstab.admit import by_k3
     from verl_lrstab.admit_runner import parse_candidate, print_report, reports_of, run_candidates
-    from verl_lrstab.cpu.vllm_assets import build_vllm_assets
-    from verl_lrstab.cpu.vllm_rollout import CONFIG_OVERRIDE, engine_shm_cleanup, loopback_env
+    from verl_lrstab_cpu.vllm_assets import build_vllm_assets
+    from verl_lrstab_cpu.vllm_rollout import CONFIG_OVERRIDE, engine_shm_cleanup, loopback_env
 
     t0 = time.monotonic()
     assets = build_vllm_assets()

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from verl_lrstab.cpu.assets import build_assets
-from verl_lrstab.cpu.launch import CONFIG_DIR, REPO_ROOT, cpu_env
+from verl_lrstab_cpu.assets import build_assets
+from verl_lrstab_cpu.launch import CONFIG_DIR, REPO_ROOT, cpu_env
 
 
 def main(argv=None) -> int:

@@ -63,7 +63,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    import verl_lrstab.cpu.platform  # noqa: F401 - registers verl's "cpu" platform
+    import verl_lrstab_cpu.platform  # noqa: F401 - registers verl's "cpu" platform
     from verl.utils import tensordict_utils as tu
 
     from verl_lrstab import mismatch

@@ -389,7 +389,7 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(1)  # same arithmetic in every process (resume compares losses)
-    import verl_lrstab.cpu.platform  # noqa: F401 - registers verl's "cpu" platform
+    import verl_lrstab_cpu.platform  # noqa: F401 - registers verl's "cpu" platform
 
     started = time.perf_counter()
     if not Path(args.model, "config.json").exists():

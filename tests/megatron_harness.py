@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("MASTER_PORT", str(eh.free_port()))
     import torch
 
-    import verl_lrstab.cpu.platform  # noqa: F401 - registers verl's "cpu" platform (gloo)
+    import verl_lrstab_cpu.platform  # noqa: F401 - registers verl's "cpu" platform (gloo)
     from megatron_cpu import verl_megatron_on_cpu
 
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ from verl_lrstab.admit import is_drifting, judge, Budget
 from verl_lrstab.runs import load_run
 
 STANDIN = Path(__file__).resolve().parent / "standin" / "python"
-REAL = Path(__file__).resolve().parent.parent / "scripts" / "repro" / "real_results"
+REAL = Path(__file__).resolve().parent.parent / "scripts" / "research" / "repro" / "real_results"
 BASE = [str(STANDIN), "-m", "verl.trainer.main_ppo", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
 
 

@@ -95,7 +95,7 @@ def test_replay_human_output_and_plot(verl_run, tmp_path, capsys):
 
 def test_replay_says_when_the_first_halving_falls_after_the_run_and_which_rule_fired(capsys):
     # class A seed 0: the surge is seen at 131 on KL-confirmed half evidence, the run ends at 164
-    trace = Path(__file__).resolve().parents[1] / "scripts" / "traces" / "classes" / "A_s0.csv"
+    trace = Path(__file__).resolve().parents[1] / "scripts" / "research" / "traces" / "classes" / "A_s0.csv"
     code, out, _ = run_cli("replay", trace, "--origin", "start", capsys=capsys)
     assert code == 0
     surge = next(line for line in out.splitlines() if line.startswith("surge: step"))
@@ -334,7 +334,7 @@ def test_monitor_only_and_warmup_steps(verl_run, capsys):
     assert res["lr_scale"][:6] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0] and res["lr_scale"][197] == 0.5
 
 
-CLASS_A = ROOT / "scripts" / "traces" / "classes" / "A_s0.csv"  # scripts/phenomena.py, seed 0
+CLASS_A = ROOT / "scripts" / "research" / "traces" / "classes" / "A_s0.csv"  # scripts/research/phenomena.py, seed 0
 
 
 @pytest.fixture(scope="module")
@@ -429,7 +429,7 @@ def test_compare_labels_runs_by_what_tells_them_apart():
 
 
 def test_compare_says_why_the_validation_columns_are_empty(tmp_path, capsys):
-    trace = Path(__file__).resolve().parents[1] / "scripts" / "traces" / "classes" / "A_s0.csv"
+    trace = Path(__file__).resolve().parents[1] / "scripts" / "research" / "traces" / "classes" / "A_s0.csv"
     code, out, err = run_cli("compare", trace, "--out", tmp_path / "cmp", capsys=capsys)
     assert code == 0
     assert "A_s0: no validation metric logged" in err and "--metric val=NAME" in err

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from verl_lrstab.cpu.launch import REPO_ROOT
+from verl_lrstab_cpu.launch import REPO_ROOT
 
 _spec = importlib.util.spec_from_file_location("lrstab_demo", REPO_ROOT / "scripts" / "demo.py")
 demo = importlib.util.module_from_spec(_spec)

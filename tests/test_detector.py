@@ -141,7 +141,7 @@ from pathlib import Path  # noqa: E402
 
 from verl_lrstab.cusum import CusumDetector  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "research"))
 import phenomena  # noqa: E402
 
 RUNS = {tr.name: tr for tr in phenomena.traces(seeds=[0])}
@@ -212,7 +212,7 @@ def test_cusum_a_forward_filled_score_decides_exactly_as_the_sparse_one(name):
 
 def test_cusum_fast_collapse_lead():
     # class A: accuracy below 0.5 12-15 steps after the onset; the issue's bar is a median lead of
-    # at least 10 steps (measured over 40 seeds by scripts/bench_detector.py); here 8 seeds, none late
+    # at least 10 steps (measured over 40 seeds by scripts/research/bench_detector.py); here 8 seeds, none late
     leads = []
     for tr in phenomena.traces(seeds=range(8), classes="A"):
         (f,) = feed(tr)[1]
@@ -255,7 +255,7 @@ def test_cusum_the_rebound_exemption_holds_with_a_score():
 
 
 def _collapse_then_recovery(early_level, seed):
-    """The shape of real-model pilot 4 (scripts/repro/README.md): the base model's ~45 tokens for
+    """The shape of real-model pilot 4 (scripts/research/repro/README.md): the base model's ~45 tokens for
     12 noisy steps, a collapse to ~23-token guesses, then from step 81 a climb back to ~35 tokens
     while the mismatch KL doubles (from step 70) and the score stays low and noisy. With
     ``early_level`` 23 there is no early high (and no early noise above the collapse's)."""

@@ -23,7 +23,7 @@ from verl_lrstab.cusum import COSIGNALS, CusumDetector
 from verl_lrstab.runs import cosignal_columns, replay_with_cosignals
 from verl_lrstab.schedule import replay
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "research"))
 import phenomena  # noqa: E402
 
 logging.getLogger("verl_lrstab").setLevel(logging.ERROR)
@@ -369,7 +369,7 @@ def test_real_pilot_4_fed_verls_own_columns_is_no_surge():
     before it: no surge, as with the trainer's own figures."""
     from verl_lrstab.runs import load_run, metric_series
 
-    path = Path(__file__).resolve().parents[1] / "scripts/repro/real_results/bp_const-t1-lr3e-05-p2-s1/metrics.jsonl.gz"
+    path = Path(__file__).resolve().parents[1] / "scripts/research/repro/real_results/bp_const-t1-lr3e-05-p2-s1/metrics.jsonl.gz"
     df = load_run(path)
     length = metric_series(df, "response_length/mean")
     steps = length.index

@@ -1,6 +1,6 @@
 """The README stays a front door and every relative link of the docs resolves.
 
-Checks README.md, docs/*.md and scripts/repro/README.md: the README's length, every relative
+Checks README.md, docs/*.md and scripts/research/repro/README.md: the README's length, every relative
 markdown link (file and ``#anchor``, anchors by GitHub's heading slugs), the back link each
 docs page starts with, and every ``make <target>`` the README names against the Makefile.
 Links and headings inside fenced code blocks are ignored, and so are http(s)/mailto links.
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 README_MAX_LINES = 300
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-CHECKED = [README, *DOCS, ROOT / "scripts" / "repro" / "README.md"]
-# written by a script (scripts/bench_detector.py --out writes the same header)
+CHECKED = [README, *DOCS, ROOT / "scripts" / "research" / "repro" / "README.md"]
+# written by a script (scripts/research/bench_detector.py --out writes the same header)
 GENERATED: set = set()
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
@@ -340,8 +340,8 @@ STEP_CLAIMS = [
     ("docs/testing.md", r"`--only fp32 bf16\s+--steps (\d+)`", ("argv", E2E + "test_demo_admit.py", "--steps")),
     ("docs/testing.md", r"the same order over (\d+) steps", ("const", E2E + "test_mismatch_e2e.py", "BF16_STEPS")),
     ("docs/testing.md", r"alone after a (\d+)-step warm start", ("argv", E2E + "test_repro_ci.py", "--sft-steps")),
-    ("docs/testing.md", r"small form \((\d+)-step warm start", ("const", "scripts/repro/all.py", "CI_SFT_STEPS")),
-    ("docs/testing.md", r"for (\d+) steps each with verl's vLLM", ("const", "scripts/repro/all.py", "CI_STEPS")),
+    ("docs/testing.md", r"small form \((\d+)-step warm start", ("const", "scripts/research/repro/all.py", "CI_SFT_STEPS")),
+    ("docs/testing.md", r"for (\d+) steps each with verl's vLLM", ("const", "scripts/research/repro/all.py", "CI_STEPS")),
     ("docs/testing.md", r"with bf16 sampling and a provoked surge \((\d+) steps", ("const", E2E + "test_vllm_e2e.py", "N_STEPS")),
     ("docs/testing.md", r"stopped with a checkpoint at step (\d+) and resumed to \d+", ("const", E2E + "test_vllm_e2e.py", "RESUME_AT")),
     ("docs/testing.md", r"stopped with a checkpoint at step \d+ and resumed to (\d+)", ("const", E2E + "test_vllm_e2e.py", "N_STEPS")),
@@ -357,14 +357,14 @@ STEP_CLAIMS = [
     ("docs/guard.md", r"\[--max-rollbacks (\d+)\]", ("argparse", "verl_lrstab/cli/guard.py", "--max-rollbacks")),
     ("docs/guard.md", r"\[--non-finite-steps (\d+)\]", ("argparse", "verl_lrstab/cli/guard.py", "--non-finite-steps")),
     ("docs/cpu_backend.md", r"`lr_scheduler_type=length_surge`, for (\d+) steps", ("regex", "configs/cpu_demo.yaml", r"total_training_steps: (\d+)")),
-    ("docs/reproductions.md", r"`recompute`\) x 3 seeds x (\d+) steps", ("const", "scripts/repro/all.py", "STEPS", "bypass")),
-    ("docs/reproductions.md", r"`make repro` \(6 arms x 3 seeds x (\d+) steps", ("const", "scripts/repro/all.py", "STEPS", "bypass")),
-    ("docs/reproductions.md", r"--recipe noise`\)\s+ran 6 arms x 3 seeds x (\d+) steps", ("const", "scripts/repro/all.py", "STEPS", "noise")),
-    ("scripts/repro/README.md", r"6 bypass-recipe arms x 3 seeds x (\d+) steps", ("const", "scripts/repro/all.py", "STEPS", "bypass")),
-    ("scripts/repro/README.md", r"issue 6's table \(6 arms x 3 seeds x (\d+) steps\)", ("const", "scripts/repro/all.py", "STEPS", "noise")),
-    ("scripts/repro/README.md", r"the small form \((\d+)-step warm start", ("const", "scripts/repro/all.py", "CI_SFT_STEPS")),
-    ("scripts/repro/README.md", r"bp_ls_surge x (\d+) steps\)", ("const", "scripts/repro/all.py", "CI_STEPS")),
-    ("scripts/repro/README.md", r"--ci --arms bp_ls_surge\s+--sft-steps (\d+)", ("argv", E2E + "test_repro_ci.py", "--sft-steps")),
+    ("docs/reproductions.md", r"`recompute`\) x 3 seeds x (\d+) steps", ("const", "scripts/research/repro/all.py", "STEPS", "bypass")),
+    ("docs/reproductions.md", r"`make repro` \(6 arms x 3 seeds x (\d+) steps", ("const", "scripts/research/repro/all.py", "STEPS", "bypass")),
+    ("docs/reproductions.md", r"--recipe noise`\)\s+ran 6 arms x 3 seeds x (\d+) steps", ("const", "scripts/research/repro/all.py", "STEPS", "noise")),
+    ("scripts/research/repro/README.md", r"6 bypass-recipe arms x 3 seeds x (\d+) steps", ("const", "scripts/research/repro/all.py", "STEPS", "bypass")),
+    ("scripts/research/repro/README.md", r"issue 6's table \(6 arms x 3 seeds x (\d+) steps\)", ("const", "scripts/research/repro/all.py", "STEPS", "noise")),
+    ("scripts/research/repro/README.md", r"the small form \((\d+)-step warm start", ("const", "scripts/research/repro/all.py", "CI_SFT_STEPS")),
+    ("scripts/research/repro/README.md", r"bp_ls_surge x (\d+) steps\)", ("const", "scripts/research/repro/all.py", "CI_STEPS")),
+    ("scripts/research/repro/README.md", r"--ci --arms bp_ls_surge\s+--sft-steps (\d+)", ("argv", E2E + "test_repro_ci.py", "--sft-steps")),
 ]
 
 
@@ -432,7 +432,7 @@ def test_step_claims_read_the_code(tmp_path):
     assert code_value(("const", "tests/e2e/test_guard_e2e.py", "SAVE_FREQ")) == 4  # tuple unpacking
     assert code_value(("argparse", "verl_lrstab/cli/admit.py", "--budget-factor")) == 4.0
     assert code_value(("argv", "tests/e2e/test_demo_admit.py", "--only")) == "fp32"
-    assert code_value(("const", "scripts/repro/all.py", "NO_SUCH_NAME")) is None
+    assert code_value(("const", "scripts/research/repro/all.py", "NO_SUCH_NAME")) is None
 
 
 # The option tables of configuration.md and mismatch.md ("| `key` | `default` | meaning |") against the

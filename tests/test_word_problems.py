@@ -1,4 +1,4 @@
-"""The word-problem generator and its grader (verl_lrstab.cpu.word_problems): fast, no model."""
+"""The word-problem generator and its grader (verl_lrstab_cpu.word_problems): fast, no model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from verl_lrstab.cpu import word_problems as wp
+from verl_lrstab_cpu import word_problems as wp
 
 
 def _evaluate_step(line: str) -> tuple[int, int]:
@@ -115,8 +115,8 @@ def test_compute_score_has_verls_custom_reward_signature():
 
 
 def test_loadable_the_way_verl_loads_it():
-    """reward.custom_reward_function.path=pkg://verl_lrstab.cpu.word_problems, name=compute_score."""
+    """reward.custom_reward_function.path=pkg://verl_lrstab_cpu.word_problems, name=compute_score."""
     from verl.utils.import_utils import load_extern_object
 
-    fn = load_extern_object(module_path="pkg://verl_lrstab.cpu.word_problems", object_name="compute_score")
+    fn = load_extern_object(module_path="pkg://verl_lrstab_cpu.word_problems", object_name="compute_score")
     assert fn("x", "#### 2", "2") == 1.0

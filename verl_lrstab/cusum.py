@@ -91,7 +91,7 @@ SINGLE_RISE_POWER = 1.5
 # share of its pre-alarm level, and COLLAPSE_Z x score_z noise units below it (the noise test is the
 # guard; the share only keeps a near-noiseless score's tiny dip out). 0.8, not 0.6: the collapse's
 # first step, not its second (class K: a step earlier in the median seed; A: one run more caught in
-# two sparse forms; the other classes unchanged, 0 false alarms; scripts/bench_detector.py).
+# two sparse forms; the other classes unchanged, 0 false alarms; scripts/research/bench_detector.py).
 COLLAPSE_SHARE = 0.8
 COLLAPSE_Z = 1.0
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_lrstab.cpu.assets import build_assets
-from verl_lrstab.cpu.launch import REPO_ROOT, RunResult, run_main_ppo
+from verl_lrstab_cpu.assets import build_assets
+from verl_lrstab_cpu.launch import REPO_ROOT, RunResult, run_main_ppo
 
 # Every run stops here at the latest; the tests' runs take 30-90 s on 2 cores.
 RUN_TIMEOUT_S = float(os.environ.get("LRSTAB_E2E_TIMEOUT_S", 420))

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from verl_lrstab.cpu.launch import CONFIG_DIR, cpu_env
+from verl_lrstab_cpu.launch import CONFIG_DIR, cpu_env
 from verl_lrstab.mismatch import TAIL_LABELS
 
 pytestmark = pytest.mark.e2e

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from verl_lrstab.cpu import rewards
-from verl_lrstab.cpu.generation import GenRequest, TransformersGenerator, resolve_dtype
-from verl_lrstab.cpu.platform import PlatformCPU, cpu_device_module, dedup_backend
-from verl_lrstab.cpu.rollout import ROLLOUT_NAME, backend_options
+from verl_lrstab_cpu import rewards
+from verl_lrstab_cpu.generation import GenRequest, TransformersGenerator, resolve_dtype
+from verl_lrstab_cpu.platform import PlatformCPU, cpu_device_module, dedup_backend
+from verl_lrstab_cpu.rollout import ROLLOUT_NAME, backend_options
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ def test_rollout_is_registered_with_verl():
     from verl.workers.rollout.base import get_rollout_class
     from verl.workers.rollout.replica import get_rollout_replica_class
 
-    from verl_lrstab.cpu.rollout import TransformersReplica, TransformersServerAdapter
+    from verl_lrstab_cpu.rollout import TransformersReplica, TransformersServerAdapter
 
     assert get_rollout_class(ROLLOUT_NAME, "async") is TransformersServerAdapter
     assert get_rollout_replica_class(ROLLOUT_NAME) is TransformersReplica
@@ -216,7 +216,7 @@ def test_backend_options_are_validated():
 
 def test_v1_batches_in_content_order():
     """The V1 replay buffer's order and group split depend on the samples' content only."""
-    from verl_lrstab.cpu.sampler import content_order, regroup
+    from verl_lrstab_cpu.sampler import content_order, regroup
 
     # two groups of prompt (1,) (a duplicated prompt) and one of prompt (2,); responses as 1-tuples
     uids = ["a"] * 4 + ["b"] * 4 + ["c"] * 4

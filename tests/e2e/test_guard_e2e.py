@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from verl_lrstab.cpu.launch import CONFIG_DIR, REPO_ROOT, cpu_env
+from verl_lrstab_cpu.launch import CONFIG_DIR, REPO_ROOT, cpu_env
 from verl_lrstab.runs import read_metrics
 
 pytestmark = pytest.mark.e2e
@@ -204,7 +204,7 @@ CRASHING_REWARD = '''
 pays 0 from the 5th step of the process on: a provoked reward crash, the guard's second trouble."""
 import json
 
-from verl_lrstab.cpu.rewards import longer_is_better
+from verl_lrstab_cpu.rewards import longer_is_better
 
 CALLS = [0]
 PER_STEP = {per_step}

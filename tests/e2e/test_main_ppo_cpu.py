@@ -2,7 +2,7 @@
 on CPU with ``lr_scheduler_type=length_surge`` and the default detector (``cusum``), read back from
 verl's own file-logger JSONL.
 
-The CPU stand-ins are the ``cpu`` platform and the ``transformers`` rollout (verl_lrstab.cpu);
+The CPU stand-ins are the ``cpu`` platform and the ``transformers`` rollout (verl_lrstab_cpu);
 everything else is verl's code. The reward ``longer_is_better`` provokes a real length surge.
 Runs are shared between tests (``main_ppo`` fixture); the V1 surge/resume forms are ``slow``.
 """
@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.glue.signals import UPDATE_FIGURES
-from verl_lrstab.cpu.launch import CONFIG_DIR
+from verl_lrstab_cpu.launch import CONFIG_DIR
 from verl_lrstab.schedule import replay
 from verl_lrstab.scheduler import LengthSurgeLR
 

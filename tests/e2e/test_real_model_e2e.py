@@ -13,9 +13,9 @@ import os
 
 import pytest
 
-from verl_lrstab.cpu import real_model
-from verl_lrstab.cpu.launch import run_main_ppo
-from verl_lrstab.cpu.vllm_rollout import CONFIG_OVERRIDE, engine_shm_cleanup, loopback_env, vllm_cpu_available
+from verl_lrstab_cpu import real_model
+from verl_lrstab_cpu.launch import run_main_ppo
+from verl_lrstab_cpu.vllm_rollout import CONFIG_OVERRIDE, engine_shm_cleanup, loopback_env, vllm_cpu_available
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
 

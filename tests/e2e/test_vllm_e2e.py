@@ -3,7 +3,7 @@
 ``actor_rollout_ref.rollout.name=vllm`` (``configs/cpu_rollout/vllm.yaml``): verl's vLLMReplica /
 vLLMHttpServer / AsyncLLM engine generate and return vLLM's own log-probs; verl's ServerAdapter
 syncs the FSDP weights after every step through shared memory into the engine (layerwise reload,
-``verl_lrstab/cpu/vllm_server.py``). vLLM samples in bf16 (or fp32), the trainer computes in fp32.
+``cpu_backend/verl_lrstab_cpu/vllm_server.py``). vLLM samples in bf16 (or fp32), the trainer computes in fp32.
 The engine starts from random weights (``load_format=dummy``, verl's default), so every step's
 log-probs match the trainer's only if the weight sync works.
 
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from verl_lrstab.cpu.launch import REPO_ROOT, run_main_ppo
-from verl_lrstab.cpu.vllm_assets import build_vllm_assets
-from verl_lrstab.cpu.vllm_rollout import CONFIG_OVERRIDE, engine_shm_cleanup, loopback_env, vllm_cpu_available
+from verl_lrstab_cpu.launch import REPO_ROOT, run_main_ppo
+from verl_lrstab_cpu.vllm_assets import build_vllm_assets
+from verl_lrstab_cpu.vllm_rollout import CONFIG_OVERRIDE, engine_shm_cleanup, loopback_env, vllm_cpu_available
 
 RUN_TIMEOUT_S = float(os.environ.get("LRSTAB_E2E_TIMEOUT_S", 420))
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2 * RUN_TIMEOUT_S + 120)]  # a test may start two runs
@@ -225,7 +225,7 @@ def test_v1_bf16_surge_decays_lr(vllm_run):
 # -- 4. full_determinism: two identical V1 runs sample the same tokens (issue 16) ------------------
 @pytest.mark.slow
 def test_v1_full_determinism_runs_are_identical(vllm_run):
-    """Per-request seeds (verl_lrstab.cpu.vllm_server) and vLLM's default kernels: bit-identical runs.
+    """Per-request seeds (verl_lrstab_cpu.vllm_server) and vLLM's default kernels: bit-identical runs.
 
     Without full_determinism (the config's default) two runs differ from step 1: the engine's
     shared RNG is consumed in the order the agent loop's requests arrive.
