@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/research/`
 import pandas as pd  # noqa: E402
 
-from repro.real_pilot import ARCHIVE, OUT, metrics_file  # noqa: E402
+from repro.real_pilot import ARCHIVE, OUT, metrics_file, pilot_runs  # noqa: E402
 
 from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
 from verl_lrstab.runs import load_run  # noqa: E402
@@ -181,8 +181,6 @@ def publish(text: str, out: Path, stem: str, draw) -> Path:
 def main_for(report):
     """The command line of a report module: ``[RUN_DIR ...] [--out DIR]`` (default: every pilot run)."""
     def main(argv=None) -> int:
-        from repro.real_report import pilot_runs
-
         p = argparse.ArgumentParser(description=sys.modules[report.__module__].__doc__.splitlines()[0])
         p.add_argument("runs", nargs="*", type=Path)
         p.add_argument("--out", type=Path, default=OUT / "report")

@@ -181,6 +181,16 @@ def metrics_file(run_dir: Path) -> Path:
     return run_dir / "metrics.jsonl.gz"
 
 
+def pilot_runs(live: Path = OUT, kept: Path = ARCHIVE) -> list[Path]:
+    """Every pilot under ``live`` (being or been run here), then every archived one not among them.
+
+    A live pilot that has not logged a step yet (its segments empty: vLLM still starting) is left out,
+    and its archived copy, if any, is read instead."""
+    runs = sorted(d for d in live.glob("*") if any(p.stat().st_size for p in d.glob("metrics.part*.jsonl")))
+    names = {d.name for d in runs}
+    return runs + sorted(d for d in kept.glob("*") if (d / "metrics.jsonl.gz").exists() and d.name not in names)
+
+
 def archive(run_dir: Path, to: Path = ARCHIVE) -> Path:
     """Keep what the report reads of a pilot (its merged metrics, gzipped, and its JSON files) in ``to/<run>/``."""
     dest = to / run_dir.name

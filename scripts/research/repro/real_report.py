@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `scripts/researc
 import pandas as pd  # noqa: E402
 
 from repro import real_controls, real_dose, real_stage0  # noqa: E402
-from repro.real_pilot import ARCHIVE, OUT, archive, metrics_file  # noqa: E402,F401  (archive: also this module's API)
+from repro.real_pilot import ARCHIVE, OUT, archive, metrics_file, pilot_runs  # noqa: E402,F401  (archive, pilot_runs: also this module's API)
 
 from verl_lrstab_cpu.launch import REPO_ROOT  # noqa: E402
 from verl_lrstab.plots import plt  # noqa: E402  (the Agg backend)
@@ -52,16 +52,6 @@ BLOCK_METRICS = {LENGTH: "length", CLIP: "share at cap", SCORE: "score", K3: "k3
 
 def _col(df: pd.DataFrame, key: str) -> pd.Series:
     return df[key].dropna() if key in df else pd.Series(dtype=float)
-
-
-def pilot_runs(live: Path = OUT, kept: Path = ARCHIVE) -> list[Path]:
-    """Every pilot under ``live`` (being or been run here), then every archived one not among them.
-
-    A live pilot that has not logged a step yet (its segments empty: vLLM still starting) is left out,
-    and its archived copy, if any, is read instead."""
-    runs = sorted(d for d in live.glob("*") if any(p.stat().st_size for p in d.glob("metrics.part*.jsonl")))
-    names = {d.name for d in runs}
-    return runs + sorted(d for d in kept.glob("*") if (d / "metrics.jsonl.gz").exists() and d.name not in names)
 
 
 def summarize(run_dir: Path) -> dict:
