@@ -125,14 +125,15 @@ def test_a_validation_that_is_not_a_number_is_not_evaluated():
 
 
 from repro.real_pilot import ARCHIVE  # noqa: E402  (the archive the scripts read and write)
-README = Path(__file__).resolve().parents[2] / "README.md"
+# the page that states the readings (its summary table), beside the sections that derive them
+REPRODUCTIONS = Path(__file__).resolve().parents[2] / "docs" / "reproductions.md"
 
 
 @pytest.mark.parametrize("control, field, reading, d", [
     ("rc_const-t1-lr3e-05-p2-s1", "mode", "the failure needs bypass's old log-probs (the sampler's)", 0.016),
     ("bp32_const-t1-lr3e-05-p2-s1", "sampler_dtype", "the failure needs the bf16 mismatch", -0.012),
 ])
-def test_the_readmes_pilot_4_readings_are_the_archives(control, field, reading, d):
+def test_the_documented_degradation_readings_are_the_archives(control, field, reading, d):
     # recomputed from the archived fp32 validations alone, by the rule registered before the controls ran
     control_dir, pilot_4 = ARCHIVE / control, ARCHIVE / "bp_const-t1-lr3e-05-p2-s1"
     assert real_controls.pair_controls([pilot_4, control_dir]) == [(control_dir, pilot_4, field, None)]
@@ -141,7 +142,8 @@ def test_the_readmes_pilot_4_readings_are_the_archives(control, field, reading, 
     # pilot 4 itself degrades by the same rule: the controls are read against a real failure
     assert real_controls.degradation_verdict(real_controls.fp32_validation(pilot_4, 100), field).startswith(
         "the failure does not need")
-    readme = README.read_text(encoding="utf-8")
+    page = REPRODUCTIONS.read_text(encoding="utf-8")
     stated = {"mode": "**the degradation needs bypass's old log-probs**",
               "sampler_dtype": "**the degradation needs the bf16 mismatch**"}[field]
-    assert stated in readme and f"D = {d:.3f}" in readme
+    row = next(line for line in page.splitlines() if stated in line)  # the reading and its D on one table row
+    assert f"D = {d:.3f}" in row, row

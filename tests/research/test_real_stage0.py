@@ -216,24 +216,25 @@ def test_a_stage0_run_is_read_against_its_recompute_control_too(tmp_path, monkey
 
 
 from repro.real_pilot import ARCHIVE  # noqa: E402  (the archive the scripts read and write)
-README = Path(__file__).resolve().parents[2] / "README.md"
+# the page that states the readings (its summary table), beside the sections that derive them
+REPRODUCTIONS = Path(__file__).resolve().parents[2] / "docs" / "reproductions.md"
 
 
 @pytest.mark.parametrize("control, cause, reading", [
     ("bp_const-t1-lr1e-05-p2x6c192-s1", real_stage0.SAMPLER_CAUSE, "the drift needs the sampler's mismatch"),
     ("rc_const-t1.05-lr1e-05-p2x6c192-s1", real_stage0.BYPASS_CAUSE, "the drift needs bypass's old log-probs"),
 ])
-def test_the_readmes_stage0_readings_are_the_archives(control, cause, reading):
-    # the README states each registered reading in bold; recomputed here from the archived runs alone
+def test_the_documented_stage0_readings_are_the_archives(control, cause, reading):
+    # the page states each registered reading in bold; recomputed here from the archived runs alone
     from repro.real_dose import training_frame
 
     run = training_frame(ARCHIVE / "bp_const-t1.05-lr1e-05-p2x6c192-s1")
     out = real_stage0.control_reading(run, training_frame(ARCHIVE / control), cause)
     assert out["reading"].startswith(reading)
-    assert f"**{reading}**" in README.read_text(encoding="utf-8")
+    assert f"**{reading}**" in REPRODUCTIONS.read_text(encoding="utf-8")
 
 
-def test_the_readmes_recompute_control_learns_in_the_archive():
+def test_the_documented_recompute_control_learns_in_the_archive():
     # "learns (fp32 0.14 / 0.55 / 0.65 at 0 / 50 / 100), entropy falls, no alarm"
     from repro.real_controls import fp32_validation
     from repro.real_dose import training_frame
@@ -241,6 +242,6 @@ def test_the_readmes_recompute_control_learns_in_the_archive():
     d = ARCHIVE / "rc_const-t1.05-lr1e-05-p2x6c192-s1"
     val, df = fp32_validation(d), training_frame(d)
     assert [round(val[k], 2) for k in (0, 50, 100)] == [0.14, 0.55, 0.65]
-    assert "fp32 0.14 / 0.55 / 0.65 at 0 / 50 / 100" in README.read_text(encoding="utf-8")
+    assert "fp32 0.14 / 0.55 / 0.65 at 0 / 50 / 100" in REPRODUCTIONS.read_text(encoding="utf-8")
     assert real_stage0.first_surge(df[real_stage0.SURGE]) is None
     assert real_stage0.entropy_rise(df) < 1.0

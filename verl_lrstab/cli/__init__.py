@@ -1,4 +1,4 @@
-"""``lrstab``: what the length-surge scheduler would do (or did) on logged runs.
+"""``lrstab``: replay the length-surge scheduler on logged runs; guard a verl run, screen its rollouts.
 
     lrstab replay RUN [--metric response_length/mean] [scheduler options] [--plot out.png] [--json]
     lrstab calibrate RUN [scheduler options]

@@ -23,6 +23,8 @@ CLIP_METRICS = ("response_length/clip_ratio", "completions/clipped_ratio", "comp
 RUN_HELP = "verl file-logger JSONL, TensorBoard log directory, or CSV with a step column"
 METRIC_HELP = f"the response-length metric (default: first of {list(LENGTH_METRICS)})"
 EXIT_ERROR, EXIT_NO_SURGE = 1, 3
+# Set by ``lrstab guard`` on each relaunch, not by a user: accepted (a guarded run replays), not listed in --help.
+GUARD_ONLY = ("decay_from_step", "guard_rollbacks")
 
 
 # -- scheduler options, generated from LengthSurgeConfig ------------------------------------------
@@ -61,7 +63,8 @@ def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
         typ, text = docs.get(f.name, ("", ""))
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_option_value,
                            default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper() or "VALUE",
-                           help=text.replace("``", "").replace("%", "%%"))
+                           help=argparse.SUPPRESS if f.name in GUARD_ONLY
+                           else text.replace("``", "").replace("%", "%%"))
     group.add_argument("--warmup-steps", type=_option_value, default=0, metavar="INT",
                        help="verl's optim.lr_warmup_steps. Default 0.")
     group.add_argument("--score-metric", metavar="NAME",
