@@ -324,21 +324,21 @@ def check_fsdp2(args) -> str:
     model, opt, sched = _fsdp_build(device, fused)
     assert all(isinstance(p, DTensor) for p in model.parameters()), "fully_shard left plain parameters"
     assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0], "the warmup starts at LR 0"
-    trace = [_fsdp_step(model, opt, sched, u, device) for u in range(1, len(LENGTHS) + 1)]
-    assert sched.surge_step == 7 and sched.decay_period == 13, (sched.surge_step, sched.decay_period)
-    # after update u: the LR of update u + 1 (warmup over 2 updates; the halving in force from update 13)
-    want = [[LR / 2] * 2, [LR] * 2] + [[LR] * 2] * 9 + [[LR / 2] * 2] * 9
-    assert trace == want, f"LR trajectory {trace}"
-    weights = _full_weights(model)
-    del model, opt, sched
-
-    model, opt, sched = _fsdp_build(device, fused)
-    for u in range(1, SAVE_AT + 1):
-        _fsdp_step(model, opt, sched, u, device)
     with tempfile.TemporaryDirectory() as ckpt:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd, "lr_scheduler": sched.state_dict()}, checkpoint_id=ckpt)
-        del model, opt, sched
+        trace = []
+        for u in range(1, len(LENGTHS) + 1):
+            trace.append(_fsdp_step(model, opt, sched, u, device))
+            if u == SAVE_AT:  # the checkpoint a resumed run starts from; this run goes on
+                model_sd, optim_sd = get_state_dict(model, opt)
+                dcp.save({"model": model_sd, "optim": optim_sd, "lr_scheduler": sched.state_dict()},
+                         checkpoint_id=ckpt)
+        assert sched.surge_step == 7 and sched.decay_period == 13, (sched.surge_step, sched.decay_period)
+        # after update u: the LR of update u + 1 (warmup over 2 updates; the halving in force from update 13)
+        want = [[LR / 2] * 2, [LR] * 2] + [[LR] * 2] * 9 + [[LR / 2] * 2] * 9
+        assert trace == want, f"LR trajectory {trace}"
+        weights = _full_weights(model)
+        del model, opt, sched, model_sd, optim_sd
+
         model, opt, sched = _fsdp_build(device, fused)
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd, "lr_scheduler": sched.state_dict()}
@@ -518,9 +518,11 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"gpu_check on {gpu}: python {sys.version.split()[0]}, torch {torch.__version__} (cuda "
           f"{torch.version.cuda}), transformers {transformers.__version__}", flush=True)
-    if {2, 3} & set(numbers):
-        _init_group(torch.device(args.device))
-    results = [run_check(n, args) for n in numbers]
+    results = []
+    for number in numbers:
+        if number in (2, 3) and not torch.distributed.is_initialized():  # after check 1's own process group
+            _init_group(torch.device(args.device))
+        results.append(run_check(number, args))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     failed = results.count("FAIL")
