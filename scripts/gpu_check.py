@@ -61,9 +61,9 @@ def check_megatron(args) -> str:
         raise
     script = ROOT / ("scripts/gpu_check_megatron.py" if args.device == "cuda" else "tests/megatron_cpu.py")
     expected = 3 if args.device == "cuda" else 2  # the CPU form has no cuda/nccl line
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get(
-                              "PYTHONPATH")]))})
+    env = {key: value for key, value in os.environ.items() if key != "MASTER_PORT"}  # its own port, not this group's
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, cwd=ROOT, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
     for line in lines:
         print(f"     | {line}", flush=True)
@@ -321,6 +321,8 @@ def check_fsdp2(args) -> str:
 
     device = torch.device(args.device)
     fused = _fused_adamw_supported(device)
+    if device.type == "cuda":  # the kernels with a deterministic form take it: the resume must be bitwise
+        torch.use_deterministic_algorithms(True, warn_only=True)
     model, opt, sched = _fsdp_build(device, fused)
     assert all(isinstance(p, DTensor) for p in model.parameters()), "fully_shard left plain parameters"
     assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0], "the warmup starts at LR 0"

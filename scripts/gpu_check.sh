@@ -57,10 +57,14 @@ if [ -z "${LRSTAB_GGUF:-}" ] && [ -f "$STASH/part-a" ] && [ -f "$STASH/part-b" ]
   fi
 fi
 
+if [ -z "${LRSTAB_GGUF:-}" ] && { [ -f "$STASH/part-a" ] || [ -f "$STASH/part-b" ]; }; then
+  echo "     | one half of the GGUF file only (a cold machine after --stash?): check 5 is skipped"
+fi
+
 mkdir -p "$SITE"
 for pkg in packaging:packaging psutil:psutil megatron.core:megatron_core gguf:gguf; do
   if ! PYTHONPATH="$SITE" "$PYTHON" -c "import ${pkg%%:*}" 2>/dev/null; then
-    wheel=$(ls "$WHEELS"/"${pkg##*:}"-*.whl 2>/dev/null | head -1)
+    wheel=$(ls "$WHEELS"/"${pkg##*:}"-*.whl 2>/dev/null | head -1 || true)
     if [ -n "$wheel" ]; then
       "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$SITE" "$wheel"
     else
