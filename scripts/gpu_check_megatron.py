@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One-GPU check of ``LengthSurgeParamScheduler`` with megatron-core on cuda/nccl (no verl).
 
-Run by ``scripts/gpu_check_megatron.sh``; prints one line per check (``ok`` / ``FAIL``) and
+Run by ``scripts/gpu_check.sh`` (its check 1; ``scripts/gpu_check_megatron.sh`` runs that alone); prints one line per check (``ok`` / ``FAIL``) and
 exits non-zero if any fails. A tiny GPTModel (megatron-core's local layer spec: no
 TransformerEngine) in bf16, megatron-core's DDP and DistributedOptimizer (the optimizer verl's
 Megatron engine builds), our scheduler stepped once per update with a response-length series
