@@ -19,6 +19,8 @@ import pandas as pd
 
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.config_checks import config_value
+from verl_lrstab.reward_crash import reward_crash
+from verl_lrstab.reward_crash import score_floor as _floor
 from verl_lrstab.schedule import decay_period_from_surge, num_decays, replay
 
 logger = logging.getLogger("verl_lrstab")
@@ -28,7 +30,6 @@ REASONS = ("surge", "reward_crash", "non_finite")
 LENGTH, SCORE, SCORE_MIN = "response_length/mean", "critic/score/mean", "critic/score/min"
 KL, CLIP = "actor/lrstab/mismatch_kl", "actor/lrstab/clip_ratio"
 NON_FINITE_KEYS = ("actor/grad_norm", "actor/pg_loss", "actor/loss")
-CRASH_WINDOW = 5  # points of the rolling median (as `lrstab compare`)
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
 
 
@@ -300,32 +301,15 @@ def find_trouble(records: dict[int, dict], options: GuardOptions, config: Length
 
 
 def score_floor(df: pd.DataFrame) -> Optional[float]:
-    """The low end of the score's range: the lowest ``critic/score/min`` verl logged (the worst
-    response's score, e.g. -1 for a +-1 reward), else min(0, the lowest mean score)."""
-    low = _series(df, SCORE_MIN).dropna()
-    if len(low):
-        return float(low.min())
-    score = _series(df, SCORE).dropna()
-    return min(0.0, float(score.min())) if len(score) else None
+    """The score's floor in the logged trajectory (:func:`verl_lrstab.reward_crash.score_floor`)."""
+    return _floor(_series(df, SCORE), _series(df, SCORE_MIN))
 
 
 def _reward_crash(df: pd.DataFrame, fraction: float, after: int) -> Optional[Trouble]:
-    """The first step after ``after`` whose rolling median score is below ``floor + fraction x (peak - floor)``:
-    the score fell to ``fraction`` of its earlier height above the range's floor (:func:`score_floor`).
-    With scores >= 0 (floor 0) this is ``fraction x peak``; a +-1 reward's floor is -1, so a fall of the
-    accuracy from 44 % to 5 % (score -0.12 -> -0.9) is a crash."""
-    score = _series(df, SCORE).dropna()
-    floor = score_floor(df)
-    if not len(score) or floor is None:
-        return None
-    rolling = score.rolling(CRASH_WINDOW, min_periods=1).median()
-    peak = rolling.cummax().shift(1)
-    crashed = (peak > floor) & (rolling - floor < fraction * (peak - floor)) & (rolling.index > after)
-    if not crashed.any():
-        return None
-    step = int(crashed.idxmax())
-    before = rolling.loc[:step].iloc[:-1]
-    return Trouble("reward_crash", step, int(before.idxmax()))
+    """The reward crash (:func:`verl_lrstab.reward_crash.reward_crash`, the rule `lrstab compare`
+    reports) after step ``after``; onset: the step of the peak it fell from."""
+    found = reward_crash(_series(df, SCORE), fraction, score_floor(df), after=after)
+    return Trouble("reward_crash", found[0], found[1]) if found else None
 
 
 def _surge(df: pd.DataFrame, config: LengthSurgeConfig) -> Optional[tuple[int, int]]:
