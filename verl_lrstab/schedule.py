@@ -112,8 +112,14 @@ class LengthSurgeSchedule:
 
         ``score`` (verl's ``critic/score/mean``) and ``clip_ratio`` (``response_length/clip_ratio``)
         are co-signals of ``detector: cusum``, as is ``mismatch_kl``; None (or NaN) means
-        unavailable. ``detector: ratio`` reads the length only.
+        unavailable. ``detector: ratio`` reads the length only. An ``update`` at or before the last
+        one fed (a counter that went backwards) is not fed: a warning names both.
         """
+        last = self.detector.last_step
+        if last is not None and update <= last:
+            logger.warning("verl_lrstab: the update counter went back from %s to %s: the figures of update %s are "
+                           "not fed to the surge detector (its history is ordered by update)", last, update, update)
+            return False
         self.response_length = _or_nan(finite_float(response_length))
         self.mismatch_kl = _or_nan(finite_float(mismatch_kl))
         self.score = _or_nan(finite_float(score))
