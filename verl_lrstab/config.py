@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Mapping, Optional
 SCHEDULER_NAME = "length_surge"
 ORIGINS = ("start", "surge")
 TRIGGERS = ("length", "mismatch", "either")
-# ``cusum`` (default): verl_lrstab.cusum; ``ratio``: the rule before v2, verl_lrstab.detector.
+# ``cusum`` (default): verl_lrstab.cusum; ``ratio``: the older level-ratio rule, verl_lrstab.detector.
 DETECTORS = ("cusum", "ratio")
 # Options read by one detector only: set away from their default under the other one, they are refused.
 RATIO_ONLY = ("fast_window", "horizon", "baseline_window", "ratio_threshold")
@@ -65,7 +65,7 @@ class LengthSurgeConfig:
             (the mismatch KL exceeds its budget) or ``"either"`` (whichever fires first).
         detector (str): the length-surge test: ``"cusum"`` (default: CUSUM of noise-scaled
             log-length rises, confirmed by the score / mismatch KL / clip ratio when they are
-            fed; docs/detector.md) or ``"ratio"`` (the rule before v2: level vs a
+            fed; docs/detector.md) or ``"ratio"`` (the older rule: level vs a
             baseline ``horizon`` steps back; its options: ``fast_window``, ``horizon``,
             ``baseline_window``, ``ratio_threshold``, ``patience``).
         skip_first_steps (int): updates ignored by the detector (warmup, format learning).

@@ -72,7 +72,7 @@ def replay_run(df, metric: str, config: LengthSurgeConfig, warmup_steps: int = 0
     names = cosignal_names(df, config, kl_metric, score_metric, clip_metric)
     cols = {key: metric_series(df, name).reindex(values.index).tolist() if name else None
             for key, name in names.items()}
-    verl = cosignal_columns(df) if config.detector == "cusum" else {}  # v4: entropy, grad norm, KL loss, PPO clip
+    verl = cosignal_columns(df) if config.detector == "cusum" else {}  # entropy, grad norm, KL loss, PPO clip
     result = replay_with_cosignals(values.index.tolist(), values.tolist(), config, warmup_steps=warmup_steps,
                                    mismatch_kl=cols["kl"], score=cols["score"], clip_ratio=cols["clip"],
                                    cosignals={k: metric_series(df, c).reindex(values.index).tolist()

@@ -213,7 +213,7 @@ class Guard:
                 raise GuardError("--resume needs the run folder: lrstab guard --resume RUN_DIR")
             self.state = self._load_state(Path(run_dir))
             if self.state is None:
-                raise GuardError(f"--resume {run_dir}: no {STATE} there (not a folder of lrstab guard v2)")
+                raise GuardError(f"--resume {run_dir}: no {STATE} there (not a folder of an lrstab guard run)")
             if command and list(command) != self.state["command"]:
                 raise GuardError(f"--resume {run_dir}: the command differs from the run's ({' '.join(self.state['command'])}); "
                                  "give no command with --resume")
@@ -459,7 +459,6 @@ class Guard:
             st["pending"] = {"checkpoint_step": ckpt, "dest": str(dest), "segment": str(seg),
                              "skip_batches": self.options.skip_batches}
             self._save()
-            self._finish_pending()
             self.events.write("rollback", trouble.step, checkpoint_step=ckpt, onset_step=trouble.onset,
                               attempt=st["attempt"], reason=trouble.reason, decay_period=rule["decay_period"],
                               decay_from_step=rule["decay_from_step"], halvings_at_checkpoint=rule["halvings"],
@@ -468,6 +467,7 @@ class Guard:
                   f"{st['attempt']} to the checkpoint at step {ckpt}, LR x{self.plan.length_surge.gamma:g} of the LR "
                   f"in force there ({rule['halvings']} decay(s)), then every {rule['decay_period']} steps",
                   flush=True)
+            self._finish_pending()
 
     # -- what each launch resumes from -------------------------------------------------------------
     def _user_start(self) -> int:
