@@ -112,6 +112,7 @@ def _set(state, path, value):
 @pytest.mark.parametrize("path,value,field", [
     (("base_lrs", 0), math.nan, r"base_lrs\[0\]=nan"),
     (("base_lrs", 0), -1e-6, r"base_lrs\[0\]=-1e-06"),
+    (("base_lrs", 0), math.inf, r"base_lrs\[0\]=inf"),
     (("base_lrs",), [], r"base_lrs=\[\]"),
     (("last_epoch",), -5, r"last_epoch=-5"),
     (("last_epoch",), KeyError, r"last_epoch=<missing>"),

@@ -1,6 +1,6 @@
 """Validation of a loaded scheduler state, before anything of it is restored.
 
-A checkpoint's scheduler state that would resume a wrong LR (``base_lrs`` NaN or negative), a
+A checkpoint's scheduler state that would resume a wrong LR (``base_lrs`` NaN, inf or negative), a
 counter before the start (``last_epoch`` -5) or a detector that would fail later (a missing key,
 a malformed row) is refused with one :class:`SchedulerStateError` naming the checkpoint's step
 and the bad field, instead of being taken silently or failing with a bare ``KeyError``.
@@ -56,7 +56,7 @@ class _Checker:
 
 def check_lr_scheduler_state(state: Any, step_key: str = "last_epoch") -> None:
     """A torch LR scheduler's state (``LengthSurgeLR``, or a stock one verl saved): ``base_lrs``
-    finite and > 0, ``last_epoch`` an integer >= -1, ``_step_count`` >= 0, ``_last_lr`` finite >= 0,
+    finite and >= 0, ``last_epoch`` an integer >= -1, ``_step_count`` >= 0, ``_last_lr`` finite >= 0,
     and the length_surge schedule's state when there is one (:func:`check_schedule_state`)."""
     step = state.get(step_key, "?") if isinstance(state, dict) else "?"
     c = _Checker(step, "scheduler state")
@@ -70,15 +70,15 @@ def check_lr_scheduler_state(state: Any, step_key: str = "last_epoch") -> None:
         count = c.need(state, "_step_count")
         if not _integer(count) or count < 0:
             c.fail("_step_count", count, "an integer >= 0")
-    for key, low_ok in (("base_lrs", False), ("_last_lr", True)):
+    for key in ("base_lrs", "_last_lr"):  # 0 is a run that never moves (lrstab admit's lr=0 candidates)
         if key not in state and "schedule" not in state:
             continue
         lrs = c.need(state, key)
         if not isinstance(lrs, (list, tuple)) or not lrs:
             c.fail(key, lrs, "a non-empty list of learning rates")
         for i, lr in enumerate(lrs):
-            if not _finite(lr) or lr < 0 or (lr == 0 and not low_ok):
-                c.fail(f"{key}[{i}]", lr, "a finite number " + (">= 0" if low_ok else "> 0"))
+            if not _finite(lr) or lr < 0:
+                c.fail(f"{key}[{i}]", lr, "a finite number >= 0")
     if "schedule" in state:
         check_schedule_state(state["schedule"], step)
 
