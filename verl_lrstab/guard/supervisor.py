@@ -141,8 +141,8 @@ def busy_message(run_dir: Path, pid) -> str:
     """The refusal of a second guard on ``run_dir``, naming the first one's pid."""
     if pid is not None and pid_alive(pid):
         return (f"--run-dir {run_dir}: another lrstab guard (pid {pid}) is running this guarded run; two would "
-                "train on one checkpoint folder. Wait for it, or stop it (kill -TERM {pid}) and continue with "
-                f"lrstab guard --resume {run_dir}").replace("{pid}", str(pid))
+                f"train on one checkpoint folder. Wait for it, or stop it (kill -TERM {pid}) and continue with "
+                f"lrstab guard --resume {run_dir}")
     return (f"--run-dir {run_dir}: the lrstab guard that held it (pid {pid if pid is not None else '?'}) is gone, "
             "but its verl is still being stopped (its watchdog holds the lock for up to ~15 s); try again shortly")
 
