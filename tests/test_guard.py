@@ -1,4 +1,4 @@
-"""``lrstab guard``'s decisions (issue 22): verl's real config tree, the trouble and its onset, the rule.
+"""``lrstab guard``'s decisions: verl's real config tree, the trouble and its onset, the rule.
 
 The supervisor itself runs verl's real ``main_ppo`` in ``tests/e2e/test_guard_e2e.py``.
 """

@@ -25,6 +25,13 @@ MISMATCH_METRICS = ("k3", "seq_k3", "max_abs_diff", "frac_over_thr")
 
 # The keys a user may set under ``length_surge``; used to word errors.
 _KEY_PREFIX = "actor_rollout_ref.actor.optim.length_surge"
+# Hydra's own keys of a config node (instantiate's); any other key starting with "_" is unknown.
+HYDRA_KEYS = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
+# The longest decay period taken, in optimizer updates (10 million: no RL run comes near it; a
+# larger one is a typo that would only fail, or overflow, at the surge step), and the largest
+# period_factor (P = period_factor x the surge step stays within it for surges up to 10 000 steps).
+MAX_DECAY_PERIOD = 10_000_000
+MAX_PERIOD_FACTOR = 1000.0
 
 
 @dataclass
@@ -34,7 +41,7 @@ class LengthSurgeConfig:
     Schedule (``lr(t) = lr0 * max(min_lr_ratio, gamma ** n(t))``, t = actor update, 1-based):
 
     Args:
-        period_factor (float): ``P = round(period_factor * t_surge)``. Default 1.8 (the paper).
+        period_factor (float): ``P = round(period_factor * t_surge)``. Default 1.8 (the paper); at most 1000.
         gamma (float): multiplicative decay per period, in (0, 1). Default 0.5 (halving).
         min_lr_ratio (float): the floor, as a fraction of the initial LR, in (0, 1]. Default 0.1.
         origin (str): where the halvings are counted from. ``"surge"`` (default): the first
@@ -154,16 +161,18 @@ class LengthSurgeConfig:
     monitor_only: bool = False
 
     def __post_init__(self):
-        _check(_positive(self.period_factor), "period_factor", self.period_factor, "a number > 0")
+        _check(_positive(self.period_factor) and self.period_factor <= MAX_PERIOD_FACTOR, "period_factor",
+               self.period_factor, f"a number > 0 and <= {MAX_PERIOD_FACTOR:g} (the decay period is period_factor x "
+               f"the surge step, at most {MAX_DECAY_PERIOD} updates)")
         _check(0.0 < _num(self.gamma) < 1.0, "gamma", self.gamma, "a number in (0, 1)")
         _check(0.0 < _num(self.min_lr_ratio) <= 1.0, "min_lr_ratio", self.min_lr_ratio, "a number in (0, 1]")
         _check(self.origin in ORIGINS, "origin", self.origin, f"one of {list(ORIGINS)}")
         if self.decay_period is not None:
-            _check(_int(self.decay_period) and self.decay_period >= 1, "decay_period", self.decay_period,
-                   "null or an integer >= 1")
+            _check(_int(self.decay_period) and 1 <= self.decay_period <= MAX_DECAY_PERIOD, "decay_period",
+                   self.decay_period, f"null or an integer in [1, {MAX_DECAY_PERIOD}]")
         if self.decay_from_step is not None:
-            _check(_int(self.decay_from_step) and self.decay_from_step >= 0, "decay_from_step", self.decay_from_step,
-                   "null or an integer >= 0")
+            _check(_int(self.decay_from_step) and 0 <= self.decay_from_step <= MAX_DECAY_PERIOD, "decay_from_step",
+                   self.decay_from_step, f"null or an integer in [0, {MAX_DECAY_PERIOD}]")
             _check(self.decay_period is not None, "decay_from_step", self.decay_from_step,
                    "null unless decay_period is set too (the period of the decay it starts)")
             _check(not self.monitor_only, "decay_from_step", self.decay_from_step,
@@ -223,7 +232,7 @@ class LengthSurgeConfig:
         if not isinstance(options, Mapping):
             raise ValueError(f"{_KEY_PREFIX} must be a mapping of options, got {type(options).__name__}")
         known = [f.name for f in fields(cls)]
-        unknown = sorted(k for k in options if k not in known and not str(k).startswith("_"))
+        unknown = sorted((k for k in options if k not in known and k not in HYDRA_KEYS), key=str)
         if unknown:
             raise ValueError(f"unknown key(s) {[f'{_KEY_PREFIX}.{k}' for k in unknown]}; allowed keys: {known}")
         return cls(**{k: v for k, v in options.items() if k in known})._with_given(k for k in options if k in known)

@@ -174,8 +174,9 @@ class SurgeDetector:
 
 
 def finite_float(value) -> Optional[float]:
-    """``float(value)`` if it is a finite number (bools and non-numbers are not), else None."""
-    if value is None or isinstance(value, bool):
+    """``float(value)`` if it is a finite number (bools, text such as ``"1200"`` and other non-numbers
+    are not), else None."""
+    if value is None or isinstance(value, (bool, str, bytes)):
         return None
     try:
         v = float(value)

@@ -25,6 +25,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from verl_lrstab.config import SCHEDULER_NAME, LengthSurgeConfig
 from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule
+from verl_lrstab.state_checks import check_megatron_scheduler_state
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -128,6 +129,7 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the exact trajectory: our schedule first, then the stock keys and LR replay."""
+        check_megatron_scheduler_state(state_dict, STATE_KEY)
         self._restore_schedule(state_dict.get(STATE_KEY), state_dict.get("num_steps"))
         configured_max_lr = self.max_lr
         self._replaying = True

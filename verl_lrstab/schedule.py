@@ -112,8 +112,14 @@ class LengthSurgeSchedule:
 
         ``score`` (verl's ``critic/score/mean``) and ``clip_ratio`` (``response_length/clip_ratio``)
         are co-signals of ``detector: cusum``, as is ``mismatch_kl``; None (or NaN) means
-        unavailable. ``detector: ratio`` reads the length only.
+        unavailable. ``detector: ratio`` reads the length only. An ``update`` at or before the last
+        one fed (a counter that went backwards) is not fed: a warning names both.
         """
+        last = self.detector.last_step
+        if last is not None and update <= last:
+            logger.warning("verl_lrstab: the update counter went back from %s to %s: the figures of update %s are "
+                           "not fed to the surge detector (its history is ordered by update)", last, update, update)
+            return False
         self.response_length = _or_nan(finite_float(response_length))
         self.mismatch_kl = _or_nan(finite_float(mismatch_kl))
         self.score = _or_nan(finite_float(score))
@@ -166,7 +172,7 @@ class LengthSurgeSchedule:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        kind = state.get("detector_kind", "ratio")  # states saved before v2 hold the ratio detector
+        kind = state.get("detector_kind", "ratio")  # states saved before the CUSUM detector hold the ratio one
         if kind != self.config.detector:
             raise ValueError(f"the checkpoint's length-surge state was written by detector {kind!r}, the config "
                              f"says actor_rollout_ref.actor.optim.length_surge.detector={self.config.detector!r}: "
@@ -342,7 +348,7 @@ def replay(steps: Iterable[int], values: Iterable[Optional[float]],
 
     ``mismatch_kl``, ``score`` and ``clip_ratio`` are aligned with ``steps`` (None/NaN where a
     step did not log them); left out, they are unavailable. ``cosignals`` (``{name: column}``,
-    detector v4's: ``entropy``, ``grad_norm``, ``kl_loss``, ``pg_clipfrac``) are handed to the
+    the detector's: ``entropy``, ``grad_norm``, ``kl_loss``, ``pg_clipfrac``) are handed to the
     detector after each step's own decision, as the trainer does (it has an update's figures
     only after the update); ``detector: ratio`` reads the length only.
     """

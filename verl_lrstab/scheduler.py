@@ -10,6 +10,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule
+from verl_lrstab.state_checks import check_lr_scheduler_state
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -104,6 +105,7 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         changed ``optim.lr``, for our checkpoints and for verl's constant/cosine ones alike; a
         warning gives both values.
         """
+        check_lr_scheduler_state(state_dict)
         if "schedule" not in state_dict:  # saved by verl's constant/cosine (a LambdaLR): restart the detector
             self._restore_schedule(None, state_dict.get("last_epoch"))
             if state_dict.get("base_lrs"):  # the same LR rule as for our own checkpoints, below

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT = ["tests/test_engine.py", "tests/test_guard_v2.py", "tests/test_failsafe.py", "tests/test_admit_v2.py",
+DEFAULT = ["tests/test_engine.py", "tests/test_guard_supervisor.py", "tests/test_failsafe.py", "tests/test_admit_cli.py",
            "tests/test_megatron_worker.py", "tests/test_glue_v2.py", "tests/test_verl_config.py"]
 
 

@@ -1,4 +1,4 @@
-"""End-to-end (issue 22): ``lrstab guard`` around verl's real ``main_ppo`` on CPU (V1, the tiny model).
+"""End-to-end: ``lrstab guard`` around verl's real ``main_ppo`` on CPU (V1, the tiny model).
 
 The CPU demo's reward pays for length, so the length surges (the default detector fires at
 step 14-15 with configs/cpu_demo.yaml, measured): a provoked trouble. The guard must roll back
@@ -132,7 +132,7 @@ def test_the_guarded_run_before_its_trouble_is_the_unguarded_run(guarded, main_p
     # SAVE_FREQ steps, 20 planned) is bit for bit test_main_ppo_cpu's unguarded 5-step V1 run on those
     # steps (cpu_demo.yaml samples with per-request seeds; checkpoints change nothing). This pair is
     # also CI's check that two V1 runs are bit-identical. (The trouble-free guard's whole run, events
-    # included: the slow test below; its events: tests/test_guard_v2.py's stand-in runs.)
+    # included: the slow test below; its events: tests/test_guard_supervisor.py's stand-in runs.)
     from test_main_ppo_cpu import SURGE, TRAINER, assert_bit_identical
 
     _, events, _ = guarded
@@ -223,9 +223,8 @@ def crash_after_rollback_1(data_source, solution_str, ground_truth, extra_info=N
 '''
 
 
-# three main_ppo launches: slow. Status (issue 34): its first form (the crash keyed on the launch's
-# VERL_FILE_LOGGER_PATH) ran once, 1263 s beside other work, and failed: the guard finished with one
-# rollback, no crash came. This form (keyed on the guard's state file) passed at stop 40 (400 s beside a real-model run).
+# three main_ppo launches: slow (400 s beside a real-model run). The crash is keyed on the guard's state
+# file: keyed on the launch's VERL_FILE_LOGGER_PATH, no crash came (the guard finished with one rollback).
 @pytest.mark.slow
 def test_two_rollbacks_in_one_run_each_lowers_the_lr(tmp_path, assets_dir):
     """Rollback 1 on the demo's surge; in the resumed segment the reward falls to 0 (a provoked crash),

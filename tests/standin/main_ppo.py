@@ -3,16 +3,21 @@
 Run as ``tests/standin/python -m verl.trainer.main_ppo <verl overrides>`` (the wrapper ignores the
 ``-m``). It reads the overrides verl would (total steps, save_freq, default_local_dir, resume_mode,
 resume_from_path, optim.lr, length_surge.decay_from_step/decay_period), resumes as verl 0.9.1 does
-(``auto``: the tracker; ``resume_path``: the folder; the dataloader position from ``data.pt``),
+(``auto``: the tracker; ``resume_path``: the folder; the dataloader position from ``data.pt``) with
+verl's output around the load (``Load from checkpoint folder: ...`` before, tqdm's ``Training
+Progress`` after),
 and per step appends ``{"step": N, "data": {...}}`` to ``$VERL_FILE_LOGGER_PATH`` and saves a
 checkpoint every save_freq steps in verl's order: every rank's actor shards and fsdp_config.json,
 then data.pt, then the tracker. Its LR is its own implementation of the documented rule (the
 trainer's side, independent of the package). What goes wrong is scripted by ``$STANDIN_SCRIPT``
 (JSON): ``nan_batches`` (batch indices whose grad norm is NaN), ``nan_at`` ({launch: [steps]} with a NaN grad norm), ``crash_at`` ({launch: step}: exit
-1 before that step), ``fail_resume`` (checkpoint steps that fail to load), ``partial_save_at``
+1 before that step), ``fail_resume`` (checkpoint steps that fail to load, with a traceback through
+``_load_checkpoint``), ``die_loading`` (checkpoint steps whose load is killed: SIGKILL, no traceback), ``partial_save_at``
 ({launch: step}: die after rank 0's shard of that step), ``score`` ("pm1": a +-1 reward whose
 accuracy falls from 0.44 to 0.05 from step 10), ``surge_at`` (a length surge from that step),
-``hang_at`` ({launch: step}: sleep after that step: for kill tests), ``daemon`` (start a "Ray daemon" in its own session). For ``lrstab admit``: ``$STANDIN_K3`` (the per-step
+``hang_at`` ({launch: step}: sleep after that step: for kill tests), ``daemon`` (start a "Ray daemon" in its own session),
+``fill_at`` ({launch: [step, folder]}: after that step, fill the folder's file system: a disk that fills up),
+``fill_run_dir_at`` ({launch: step}: the same for the folder of the metrics file). For ``lrstab admit``: ``$STANDIN_K3`` (the per-step
 k3, comma-separated), ``$STANDIN_FAIL`` (fail with that error), ``$STANDIN_HANG`` (hang after step 1).
 """
 
@@ -44,6 +49,23 @@ def scale(update, start, period):
         return 1.0
     n = 0 if update <= start else 1 + (update - start - 1) // period
     return 1.0 if n == 0 else max(0.1, 0.5 ** n)
+
+
+def fill(folder: Path) -> None:
+    """Write ``folder/filler-*.bin`` until the file system is full (ENOSPC)."""
+    for i in range(10**6):
+        try:
+            with open(folder / f"filler-{i}.bin", "wb") as f:
+                f.write(b"\0" * 65536)
+        except OSError:
+            break
+    try:  # and the last partial pages
+        with open(folder / "filler-tail.bin", "wb") as f:
+            while True:
+                f.write(b"\0" * 512)
+                f.flush()
+    except OSError:
+        pass
 
 
 def main():
@@ -80,13 +102,21 @@ def main():
     elif mode == "resume_path":
         folder = Path(o["trainer.resume_from_path"])
     if folder is not None:
+        # what verl 0.9.1's RayPPOTrainer._load_checkpoint prints before it loads
+        print(f"Load from checkpoint folder: {folder}", flush=True)
         step0 = int(re.search(r"global_step_(\d+)", str(folder)).group(1))
-        if step0 in script.get("fail_resume", []):
-            print(f"RuntimeError: cannot load {folder}", file=sys.stderr)
+        print(f"Setting global step to {step0}\nResuming from {folder}", flush=True)
+        if step0 in script.get("fail_resume", []):  # a worker's load_checkpoint raises, as Ray reports it
+            print("Traceback (most recent call last):\n  File \"verl/trainer/ppo/ray_trainer.py\", line 1091, in "
+                  "_load_checkpoint\n    self.actor_rollout_wg.load_checkpoint(\nray.exceptions.RayTaskError: "
+                  f"RuntimeError: cannot load {folder}", file=sys.stderr, flush=True)
             return 1
+        if step0 in script.get("die_loading", []):  # killed while loading (the OOM killer): no traceback
+            os.kill(os.getpid(), 9)
         state = torch.load(folder / "data.pt", weights_only=False)
         batch0 = state["_num_yielded"]
-        print(f"Resuming from {folder} (batch {batch0})", flush=True)
+    # fit() after the load: tqdm's bar on stderr
+    print(f"Training Progress:   0%|          | {step0}/{total}", file=sys.stderr, flush=True)
     log = open(os.environ["VERL_FILE_LOGGER_PATH"], "a")
     for step in range(step0 + 1, total + 1):
         if script.get("crash_at", {}).get(str(launch)) == step:
@@ -120,6 +150,10 @@ def main():
             torch.save({"_num_yielded": batch + 1, "_sampler_iter_yielded": batch + 1,
                         "_sampler_iter_state": {"samples_yielded": 4 * (batch + 1)}}, actor.parent / "data.pt")
             (ckdir / "latest_checkpointed_iteration.txt").write_text(str(step))
+        for key, where in (("fill_at", None), ("fill_run_dir_at", Path(os.environ["VERL_FILE_LOGGER_PATH"]).parent)):
+            at = script.get(key, {}).get(str(launch))
+            if at is not None and (at if where is not None else at[0]) == step:
+                fill(where if where is not None else Path(at[1]))
         time.sleep(float(os.environ.get("STANDIN_STEP_S", "0.02")))
         if script.get("hang_at", {}).get(str(launch)) == step or os.environ.get("STANDIN_HANG"):
             time.sleep(600)

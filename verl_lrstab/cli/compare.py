@@ -20,6 +20,7 @@ from verl_lrstab.cli.common import (
 )
 from verl_lrstab.cli.replay import replay_run
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.reward_crash import CRASH_WINDOW, DEFAULT_FRACTION, reward_crash, score_floor
 from verl_lrstab.runs import RunError, find_metric, load_run, metric_series
 
 # figure key -> (title, candidates, log-scale y)
@@ -33,7 +34,7 @@ FIGURES = {
     "lr": ("learning rate", ("actor/lr", "learning_rate", "lr"), False),
     "score": ("training score", SCORE_METRICS, False),
 }
-CRASH_WINDOW = 5  # logged points in the rolling median of the crash rule
+SCORE_MIN = "critic/score/min"  # the floor of verl's critic/score/mean (the worst response's score)
 
 
 def _stays_from(condition) -> int | None:
@@ -57,14 +58,14 @@ def _cap_collapse(length, cap: int | None, fraction: float) -> int | None:
     return _stays_from(length >= fraction * cap) if cap else None
 
 
-def score_crash(score, fraction: float = 0.6, window: int = CRASH_WINDOW) -> int | None:
-    """The reward crash: the first logged step at which the rolling median of the last ``window``
-    logged scores is below ``fraction`` x the highest such median before it. None if it never is,
-    or if the scores are never positive (the rule is for accuracies and 0/1 rewards)."""
-    rolling = score.rolling(window, min_periods=1).median()
-    peak = rolling.cummax().shift(1)
-    crashed = (peak > 0) & (rolling < fraction * peak)
-    return int(crashed.idxmax()) if crashed.any() else None
+def score_crash(score, fraction: float = DEFAULT_FRACTION, window: int = CRASH_WINDOW,
+                score_min=None) -> int | None:
+    """The reward crash's step (:func:`verl_lrstab.reward_crash.reward_crash`, the rule the guard rolls
+    back on): the rolling median of the last ``window`` logged scores below ``fraction`` of its
+    earlier peak's height above the score's floor (the lowest ``score_min``, verl's
+    ``critic/score/min``, when given; else min(0, the lowest score)). None if it never is."""
+    found = reward_crash(score, fraction, score_floor(score, score_min), window=window)
+    return found[0] if found else None
 
 
 def _labels(runs: list[str], given: list[str]) -> list[str]:
@@ -124,7 +125,9 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
         row["collapse_step"], row["collapse_rule"] = min(collapses)
     score_name = overrides.get("score") or find_metric(df, SCORE_METRICS)
     if score_name in df.columns:
-        crash = score_crash(metric_series(df, score_name), args.crash_fraction)
+        low = SCORE_MIN if score_name == "critic/score/mean" and SCORE_MIN in df.columns else None
+        crash = score_crash(metric_series(df, score_name), args.crash_fraction,
+                            score_min=metric_series(df, low) if low else None)
         detected = row.get("logged_surge_step", row.get("surge_step"))
         if crash is not None:
             row["crash_step"] = crash

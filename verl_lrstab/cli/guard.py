@@ -46,9 +46,11 @@ def add_parser(sub) -> None:
                                    "in force at its checkpoint). A verl crash is restarted from the newest complete "
                                    "checkpoint (--max-restarts). The state is kept in the run folder: a killed guard "
                                    "stops verl, and --resume RUN_DIR (or the same command with the same --run-dir) "
-                                   "continues on the same LR rule. Exit "
-                                   "status: 0 finished, 3 gave up (too many rollbacks or no checkpoint), 4 verl "
-                                   "failed, 2 a bad command or option.")
+                                   "continues on the same LR rule. One guard per run folder (a second is refused). Exit "
+                                   "status: 0 finished, 2 a bad command, option or state file, or another guard "
+                                   "holds the run folder, 3 gave up (too many rollbacks or no checkpoint), 4 verl "
+                                   "failed, 5 the guard's own file operation failed (a full or read-only disk: "
+                                   "--resume once fixed), 128+N stopped by signal N (docs/guard.md#faults).")
     p.add_argument("--run-dir", help="events, segments and the final metrics (default: next to verl's checkpoints, "
                                      "<trainer.default_local_dir>/../lrstab_guard)")
     p.add_argument("--max-rollbacks", type=int, default=2, help="default 2")

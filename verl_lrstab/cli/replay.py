@@ -22,7 +22,7 @@ from verl_lrstab.cli.common import (
     scheduler_config,
 )
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.runs import (MissingMetricError, cosignal_columns, find_metric, load_run, metric_series,
+from verl_lrstab.runs import (MissingMetricError, RunError, cosignal_columns, find_metric, load_run, metric_series,
                               replay_with_cosignals)
 from verl_lrstab.schedule import ReplayResult
 
@@ -64,10 +64,15 @@ def replay_run(df, metric: str, config: LengthSurgeConfig, warmup_steps: int = 0
                score_metric: str | None = None, clip_metric: str | None = None) -> tuple[ReplayResult, pd.Series]:
     """Replay the run's length metric with its co-signals (see :func:`cosignal_names`); also return the series."""
     values = metric_series(df, metric)
+    negative = [int(s) for s in values.index if s < 0]
+    if negative:
+        raise RunError(f"{df.attrs.get('source', 'run')}: {len(negative)} negative step number(s) (first: "
+                       f"{negative[0]}) for {metric}: a step counts the optimizer updates from 0; fix the step "
+                       "column (a CSV's step, a JSONL's \"step\")")
     names = cosignal_names(df, config, kl_metric, score_metric, clip_metric)
     cols = {key: metric_series(df, name).reindex(values.index).tolist() if name else None
             for key, name in names.items()}
-    verl = cosignal_columns(df) if config.detector == "cusum" else {}  # v4: entropy, grad norm, KL loss, PPO clip
+    verl = cosignal_columns(df) if config.detector == "cusum" else {}  # entropy, grad norm, KL loss, PPO clip
     result = replay_with_cosignals(values.index.tolist(), values.tolist(), config, warmup_steps=warmup_steps,
                                    mismatch_kl=cols["kl"], score=cols["score"], clip_ratio=cols["clip"],
                                    cosignals={k: metric_series(df, c).reindex(values.index).tolist()

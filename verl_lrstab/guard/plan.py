@@ -19,6 +19,9 @@ import pandas as pd
 
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.config_checks import config_value
+from verl_lrstab.guard.files import write_atomic
+from verl_lrstab.reward_crash import reward_crash
+from verl_lrstab.reward_crash import score_floor as _floor
 from verl_lrstab.schedule import decay_period_from_surge, num_decays, replay
 
 logger = logging.getLogger("verl_lrstab")
@@ -28,7 +31,6 @@ REASONS = ("surge", "reward_crash", "non_finite")
 LENGTH, SCORE, SCORE_MIN = "response_length/mean", "critic/score/mean", "critic/score/min"
 KL, CLIP = "actor/lrstab/mismatch_kl", "actor/lrstab/clip_ratio"
 NON_FINITE_KEYS = ("actor/grad_norm", "actor/pg_loss", "actor/loss")
-CRASH_WINDOW = 5  # points of the rolling median (as `lrstab compare`)
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
 
 
@@ -172,13 +174,9 @@ def read_tracker(checkpoint_dir: Path) -> Optional[int]:
 
 def write_tracker(checkpoint_dir: Path, step: int) -> None:
     """Rewrite verl's tracker atomically (write + rename): a guard killed in between leaves the old one,
-    never an empty file (with which verl's ``auto`` resume would silently train from scratch)."""
-    tmp = checkpoint_dir / f".{TRACKER}.lrstab-tmp"
-    with open(tmp, "w") as f:
-        f.write(str(step))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, checkpoint_dir / TRACKER)
+    never an empty file (with which verl's ``auto`` resume would silently train from scratch); a
+    failed write (a full or read-only disk) leaves the old one and no temporary file."""
+    write_atomic(checkpoint_dir / TRACKER, str(step))
 
 
 def checkpoint_complete(folder: Path, contents=("model", "optimizer", "extra"), tracker: Optional[int] = None,
@@ -235,6 +233,59 @@ def choose_checkpoint(steps: list[int], onset: int, margin: int) -> Optional[int
     """The newest checkpoint at or before ``onset - margin`` (None if there is none)."""
     usable = [s for s in steps if s <= onset - margin]
     return max(usable) if usable else None
+
+
+def stale_tracker(checkpoint_dir: Path, contents=("model", "optimizer", "extra")) -> Optional[tuple[int, int]]:
+    """``(tracker step, newest checkpoint)`` when verl's tracker names a step older than the newest
+    checkpoint whose shards and ``data.pt`` are all there (verl writes the tracker last: a save cut
+    off just before it, or a tracker edited by hand); else None. The guard trusts the tracker (it is
+    verl's own mark of a finished save) and says so, naming both steps."""
+    tracker = read_tracker(checkpoint_dir)
+    if tracker is None:
+        return None
+    newer = [s for s in checkpoint_steps(checkpoint_dir, contents, check_tracker=False) if s > tracker]
+    return (tracker, max(newer)) if newer else None
+
+
+def no_checkpoint_reason(complete: list[int], bad: list[int], onset: int, margin: int) -> str:
+    """Why no checkpoint answers a trouble with onset ``onset``, in words (the give-up message).
+
+    Args:
+        complete: the steps of the complete checkpoints (bad ones included).
+        bad: the steps that failed to load.
+    """
+    limit = onset - margin
+    if not complete:
+        return "there is no complete checkpoint at all (verl has not finished a save yet)"
+    at_or_before = [s for s in complete if s <= limit]
+    if at_or_before:  # all of them failed to load
+        return (f"the checkpoints at or before step {limit} (onset {onset} - --margin {margin}), steps "
+                f"{at_or_before}, failed to load")
+    return (f"no checkpoint at or before step {limit} (onset {onset} - --margin {margin}): the oldest is at step "
+            f"{min(complete)}, the newest at step {max(complete)}"
+            + (f" ({sorted(set(bad))} failed to load)" if bad else "")
+            + ("; a smaller --margin would use it" if min(complete) <= onset else ""))
+
+
+# verl 0.9.1's RayPPOTrainer: _load_checkpoint prints this before it loads anything; fit() prints
+# (tqdm) or logs these only after the load (and the weight sync) returned.
+LOAD_BEGINS = "Load from checkpoint folder:"
+LOADED = ("Training Progress", "Initial validation metrics")
+_LOAD_FAILED = re.compile(r"in _?load_checkpoint\b|in load_state_dict\b|SchedulerStateError|"
+                          r"ckpt must specify|resume ckpt must")
+
+
+def checkpoint_failed_to_load(log: str) -> bool:
+    """Whether verl's output ``log`` of a launch that logged no step says the checkpoint did not load:
+    a traceback through the load (``_load_checkpoint``, a worker's ``load_checkpoint``, a
+    ``load_state_dict``), or a death after the load began (:data:`LOAD_BEGINS`) and before it
+    ended (:data:`LOADED`) with no traceback (killed while loading). A launch that died before the
+    load began, or after it ended (at the first step), does not blame the checkpoint."""
+    if any(m in log for m in LOADED):
+        return False
+    if _LOAD_FAILED.search(log):
+        return True
+    return LOAD_BEGINS in log and "Traceback" not in log
 
 
 # -- trouble ----------------------------------------------------------------------------------------
@@ -300,32 +351,15 @@ def find_trouble(records: dict[int, dict], options: GuardOptions, config: Length
 
 
 def score_floor(df: pd.DataFrame) -> Optional[float]:
-    """The low end of the score's range: the lowest ``critic/score/min`` verl logged (the worst
-    response's score, e.g. -1 for a +-1 reward), else min(0, the lowest mean score)."""
-    low = _series(df, SCORE_MIN).dropna()
-    if len(low):
-        return float(low.min())
-    score = _series(df, SCORE).dropna()
-    return min(0.0, float(score.min())) if len(score) else None
+    """The score's floor in the logged trajectory (:func:`verl_lrstab.reward_crash.score_floor`)."""
+    return _floor(_series(df, SCORE), _series(df, SCORE_MIN))
 
 
 def _reward_crash(df: pd.DataFrame, fraction: float, after: int) -> Optional[Trouble]:
-    """The first step after ``after`` whose rolling median score is below ``floor + fraction x (peak - floor)``:
-    the score fell to ``fraction`` of its earlier height above the range's floor (:func:`score_floor`).
-    With scores >= 0 (floor 0) this is ``fraction x peak``; a +-1 reward's floor is -1, so a fall of the
-    accuracy from 44 % to 5 % (score -0.12 -> -0.9) is a crash."""
-    score = _series(df, SCORE).dropna()
-    floor = score_floor(df)
-    if not len(score) or floor is None:
-        return None
-    rolling = score.rolling(CRASH_WINDOW, min_periods=1).median()
-    peak = rolling.cummax().shift(1)
-    crashed = (peak > floor) & (rolling - floor < fraction * (peak - floor)) & (rolling.index > after)
-    if not crashed.any():
-        return None
-    step = int(crashed.idxmax())
-    before = rolling.loc[:step].iloc[:-1]
-    return Trouble("reward_crash", step, int(before.idxmax()))
+    """The reward crash (:func:`verl_lrstab.reward_crash.reward_crash`, the rule `lrstab compare`
+    reports) after step ``after``; onset: the step of the peak it fell from."""
+    found = reward_crash(_series(df, SCORE), fraction, score_floor(df), after=after)
+    return Trouble("reward_crash", found[0], found[1]) if found else None
 
 
 def _surge(df: pd.DataFrame, config: LengthSurgeConfig) -> Optional[tuple[int, int]]:

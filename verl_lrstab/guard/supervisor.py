@@ -29,17 +29,22 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from verl_lrstab.guard.files import (GuardIOError, RunDirBusy, io_step, lock_run_dir, pid_alive, write_atomic,
+                                     write_json_atomic)
+from verl_lrstab.guard.plan import (TRACKER, GuardError, GuardOptions, RunPlan, checkpoint_failed_to_load, checkpoint_steps,
+                                    choose_checkpoint, compounded_rule, decay_period_for, find_trouble,
+                                    halvings_in_force, no_checkpoint_reason, plan_run, read_tracker,
+                                    rollback_overrides, stale_tracker, step_folders, write_tracker)
 from verl_lrstab.runs import read_metrics
 from verl_lrstab.schedule import num_decays
-from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, checkpoint_steps, choose_checkpoint,
-                                    compounded_rule, decay_period_for, find_trouble, halvings_in_force, plan_run,
-                                    read_tracker, rollback_overrides, step_folders, write_tracker)
 
 logger = logging.getLogger("verl_lrstab")
 
 EVENTS = "lrstab_events.jsonl"
 ENTRY = "verl.trainer.main_ppo"
-STATUS_GAVE_UP, STATUS_FAILED = 3, 4
+# 0: done; 2: a bad command, option or state file, or a run folder another guard holds; 128 + N: stopped by signal N
+STATUS_GAVE_UP, STATUS_FAILED, STATUS_IO_ERROR = 3, 4, 5
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # unwound (verl stopped, a `stopped` event); SIGINT: KeyboardInterrupt
 
 
 def split_command(command: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -109,22 +114,12 @@ class EventLog:
 
     def write(self, event: str, step: Optional[int], **fields) -> dict:
         record = {"event": event, "step": step, "time": round(time.time(), 3), **fields}
-        with open(self.path, "a") as f:
+        with io_step(f"append the {event!r} event to", self.path), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         return record
 
 
 STATE = "guard_state.json"
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` so that a reader (or a guard killed midway) sees the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _next_index(folder: Path, pattern: str) -> int:
@@ -133,6 +128,66 @@ def _next_index(folder: Path, pattern: str) -> int:
     ks = [int(n[len(prefix):len(n) - len(suffix)]) for n in (p.name for p in folder.glob(pattern.replace("{}", "*")))
           if n[len(prefix):len(n) - len(suffix)].isdigit()] if folder.is_dir() else []
     return max(ks, default=0) + 1
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def busy_message(run_dir: Path, pid) -> str:
+    """The refusal of a second guard on ``run_dir``, naming the first one's pid."""
+    if pid is not None and pid_alive(pid):
+        return (f"--run-dir {run_dir}: another lrstab guard (pid {pid}) is running this guarded run; two would "
+                f"train on one checkpoint folder. Wait for it, or stop it (kill -TERM {pid}) and continue with "
+                f"lrstab guard --resume {run_dir}")
+    return (f"--run-dir {run_dir}: the lrstab guard that held it (pid {pid if pid is not None else '?'}) is gone, "
+            "but its verl is still being stopped (its watchdog holds the lock for up to ~15 s); try again shortly")
+
+
+# guard_state.json: key -> (what it must be, the check)
+_STATE_KEYS = {
+    "status": ("one of running, done, gave_up, failed", lambda v: v in ("running", "done", "gave_up", "failed")),
+    "command": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v)),
+    "cwd": ("a folder path (string)", lambda v: isinstance(v, str)),
+    "options": ("a mapping of the guard's options", lambda v: isinstance(v, dict)),
+    "attempt": ("an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "restarts": ("an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "after": ("an integer step", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "rules": ("a list of rules (mappings with checkpoint_step, decay_from_step, decay_period, base_period, attempt)",
+              lambda v: isinstance(v, list) and all(isinstance(r, dict) and all(
+                  isinstance(r.get(k), int) for k in ("checkpoint_step", "decay_from_step", "decay_period",
+                                                       "base_period", "attempt")) for r in v)),
+    "segments": ("a list of [metrics path, first step] pairs",
+                 lambda v: isinstance(v, list) and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
+                                                       and isinstance(x[1], int) for x in v)),
+    "bad_checkpoints": ("a list of integer steps", lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v)),
+}
+
+
+def check_state(data, path: Path) -> None:
+    """Refuse a damaged ``guard_state.json`` with one error naming the file and the key."""
+    if not isinstance(data, dict):
+        raise GuardError(f"{path}: not a guard state (a JSON object expected, got {type(data).__name__}); move it "
+                         "aside to start a new run there")
+    for key, (what, ok) in _STATE_KEYS.items():
+        if key not in data:
+            raise GuardError(f"{path}: the key {key!r} is missing ({what} expected); the file is damaged: restore it, "
+                             "or move it aside to start a new run there")
+        if not ok(data[key]):
+            shown = repr(data[key]) if len(repr(data[key])) < 60 else repr(data[key])[:57] + "..."
+            raise GuardError(f"{path}: the key {key!r} is {shown}, expected {what}; the file is damaged: restore it, "
+                             "or move it aside to start a new run there")
+    try:
+        GuardOptions(**data["options"])
+    except TypeError as err:
+        raise GuardError(f"{path}: the key 'options' holds an unknown option ({err})") from None
+    except GuardError as err:
+        raise GuardError(f"{path}: the key 'options': {err}") from None
+    data.setdefault("pending", None)
+    data.setdefault("resumed_at", None)
 
 
 class Guard:
@@ -158,7 +213,7 @@ class Guard:
                 raise GuardError("--resume needs the run folder: lrstab guard --resume RUN_DIR")
             self.state = self._load_state(Path(run_dir))
             if self.state is None:
-                raise GuardError(f"--resume {run_dir}: no {STATE} there (not a folder of lrstab guard v2)")
+                raise GuardError(f"--resume {run_dir}: no {STATE} there (not a folder of an lrstab guard run)")
             if command and list(command) != self.state["command"]:
                 raise GuardError(f"--resume {run_dir}: the command differs from the run's ({' '.join(self.state['command'])}); "
                                  "give no command with --resume")
@@ -183,19 +238,37 @@ class Guard:
         except OSError as err:
             raise GuardError(f"--run-dir {self.run_dir}: cannot write there ({err.strerror}); pass a writable "
                              "--run-dir") from None
-        self.events = EventLog(self.run_dir / EVENTS)
-        if self.state is None:
-            self.state = self._load_state(self.run_dir)
-            if self.state is not None and self.state["command"] != self.launcher + self.overrides:
-                raise GuardError(f"--run-dir {self.run_dir} holds another command's guarded run; pass another "
-                                 f"--run-dir, or continue that one with lrstab guard --resume {self.run_dir}")
-        if self.state is not None and self.state["status"] != "running":
-            raise GuardError(f"--run-dir {self.run_dir}: its guarded run already ended ({self.state['status']}); "
-                             "pass another --run-dir for a new run")
-        if self.state is None and self.plan.resume_mode == "disable" and self._complete():
-            raise GuardError(f"trainer.resume_mode=disable with checkpoints already in {self.plan.checkpoint_dir} "
-                             f"(steps {self._complete()}): a rollback could load the old run's. Use an empty "
-                             "trainer.default_local_dir, or resume_mode=auto to continue from them")
+        self._lock: Optional[int] = None
+        try:
+            self._lock = lock_run_dir(self.run_dir)
+        except RunDirBusy as busy:
+            raise GuardError(busy_message(self.run_dir, busy.pid)) from None
+        except GuardIOError as err:
+            raise GuardError(f"--run-dir {self.run_dir}: {err}") from None
+        try:
+            self.events = EventLog(self.run_dir / EVENTS)
+            if self.state is None:
+                self.state = self._load_state(self.run_dir)
+                if self.state is not None and self.state["command"] != self.launcher + self.overrides:
+                    raise GuardError(f"--run-dir {self.run_dir} holds another command's guarded run; pass another "
+                                     f"--run-dir, or continue that one with lrstab guard --resume {self.run_dir}")
+            if self.state is not None and self.state["status"] != "running":
+                raise GuardError(f"--run-dir {self.run_dir}: its guarded run already ended ({self.state['status']}); "
+                                 "pass another --run-dir for a new run")
+            if self.state is None and self.plan.resume_mode == "disable" and self._complete():
+                raise GuardError(f"trainer.resume_mode=disable with checkpoints already in "
+                                 f"{self.plan.checkpoint_dir} (steps {self._complete()}): a rollback could load the "
+                                 "old run's. Use an empty trainer.default_local_dir, or resume_mode=auto to continue "
+                                 "from them")
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give up the run folder's lock (also dropped by the kernel when this process dies)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     # -- the persisted state -----------------------------------------------------------------------
     @staticmethod
@@ -204,19 +277,22 @@ class Guard:
         if not path.exists():
             return None
         try:
-            return json.loads(path.read_text())
+            data = json.loads(path.read_text())
         except (OSError, ValueError) as err:
             raise GuardError(f"{path}: unreadable ({err}); move it aside to start a new run there") from None
+        check_state(data, path)
+        return data
 
     def _save(self) -> None:
-        write_json_atomic(self.run_dir / STATE, self.state)
+        with io_step("write the guard's state", self.run_dir / STATE):
+            write_json_atomic(self.run_dir / STATE, self.state)
 
     def _new_state(self) -> dict:
         from dataclasses import asdict
 
         return {"version": 2, "status": "running", "command": self.launcher + self.overrides, "cwd": str(self.cwd),
                 "options": asdict(self.options), "attempt": 0, "restarts": 0, "resumed_at": None, "after": 0,
-                "rules": [], "segments": [], "bad_checkpoints": []}
+                "rules": [], "segments": [], "bad_checkpoints": [], "pending": None}
 
     def _complete(self, exclude=()) -> list[int]:
         return checkpoint_steps(self.plan.checkpoint_dir, self.plan.save_contents,
@@ -224,17 +300,66 @@ class Guard:
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> int:
-        """Run to the end; returns the exit status (0 done, 3 gave up, 4 verl failed)."""
-        previous = signal.signal(signal.SIGTERM, raise_on_signal)  # a killed guard stops verl (see _launch)
+        """Run to the end; returns the exit status (0 done, 3 gave up, 4 verl failed, 5 the guard's own
+        file operation failed; 128 + N when stopped by signal N, re-raised as ``SystemExit`` /
+        ``KeyboardInterrupt`` after a ``stopped`` event)."""
+        previous = {sig: signal.signal(sig, raise_on_signal) for sig in STOP_SIGNALS}  # a stopped guard stops verl
         try:
             return self._run()
+        except GuardIOError as err:
+            return self._io_failed(err)
+        except (SystemExit, KeyboardInterrupt) as stop:
+            code = stop.code if isinstance(stop, SystemExit) else 128 + signal.SIGINT
+            if isinstance(code, int) and code > 128:
+                try:
+                    self.events.write("stopped", None, signal=signal.Signals(code - 128).name, status=code,
+                                      attempt=self.state["attempt"] if self.state else 0)
+                except (GuardIOError, ValueError):
+                    pass
+                print(f"lrstab guard: stopped by {signal.Signals(code - 128).name}; verl stopped; continue with "
+                      f"lrstab guard --resume {self.run_dir}", file=sys.stderr, flush=True)
+            raise
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.release()
+
+    def _io_failed(self, err: GuardIOError) -> int:
+        """End on one of the guard's own file operations failing: verl is already stopped; the state
+        file is the last one written whole (it still says ``running``), so ``--resume`` continues."""
+        try:
+            self.events.write("failed", None, cause="guard_io", operation=err.operation, path=err.path,
+                              error=str(err), status=STATUS_IO_ERROR)
+        except GuardIOError:
+            pass  # the run folder itself is full or read-only: the message below is all there is
+        print(f"lrstab guard: error: {err}. verl was stopped; the checkpoints and {self.run_dir / STATE} are as "
+              f"they were. Free space or make the folder writable, then: lrstab guard --resume {self.run_dir}",
+              file=sys.stderr, flush=True)
+        return STATUS_IO_ERROR
 
     def _end(self, status: str, code: int) -> int:
         self.state["status"] = status
         self._save()
         return code
+
+    def _finish(self, records: dict[int, dict]) -> int:
+        st = self.state
+        final = self._write_final(records)
+        self.events.write("done", max(records, default=0), metrics=str(final), rollbacks=st["attempt"],
+                          restarts=st["restarts"])
+        return self._end("done", 0)
+
+    def _warn_stale_tracker(self) -> None:
+        stale = stale_tracker(self.plan.checkpoint_dir, self.plan.save_contents) if not self.plan.async_save else None
+        if stale is None:
+            return
+        message = (f"verl's tracker {self.plan.checkpoint_dir / 'latest_checkpointed_iteration.txt'} names step "
+                   f"{stale[0]}, but the checkpoint at step {stale[1]} has all its shards and data.pt: the tracker is "
+                   f"stale (verl writes it last). The guard counts checkpoints up to step {stale[0]} only; later "
+                   "ones are moved aside on a rollback or restart. Fix the tracker to resume from the newer one")
+        logger.warning("lrstab guard: %s", message)
+        print(f"lrstab guard: warning: {message}", file=sys.stderr, flush=True)
+        self.events.write("stale_tracker", stale[0], tracker_step=stale[0], newest_checkpoint=stale[1])
 
     def _run(self) -> int:
         for w in self.plan.warnings:
@@ -245,8 +370,14 @@ class Guard:
             self.events.write("start", 0, command=self.launcher + self.overrides, run_dir=str(self.run_dir),
                               checkpoints=str(self.plan.checkpoint_dir), save_freq=self.plan.save_freq,
                               max_rollbacks=self.options.max_rollbacks, warnings=self.plan.warnings)
+            self._warn_stale_tracker()
             target = None  # the user's own resume_mode on the first launch
         else:
+            self._finish_pending()  # a set-aside the dead guard had decided but not finished
+            records = self._trajectory()
+            if self.plan.total_steps is not None and max(records, default=0) >= self.plan.total_steps:
+                return self._finish(records)  # verl had finished; the guard died writing the result
+            self._warn_stale_tracker()
             target = self._newest(st)
             self.events.write("resumed", target or 0, checkpoint_step=target, attempt=st["attempt"],
                               rule=st["rules"][-1] if st["rules"] else None)
@@ -262,14 +393,11 @@ class Guard:
             trouble, rc = self._launch(seg, self._extra(target), after=st["after"])
             records = self._trajectory()
             if trouble is None and rc == 0:
-                final = self._write_final(records)
-                self.events.write("done", max(records, default=0), metrics=str(final), rollbacks=st["attempt"],
-                                  restarts=st["restarts"])
-                return self._end("done", 0)
+                return self._finish(records)
             if trouble is None:
                 log = seg.with_suffix(".log")
-                if target is not None and not read_metrics(seg):
-                    # verl failed before logging a step: the checkpoint did not load; try the next older one
+                if target is not None and not read_metrics(seg) and checkpoint_failed_to_load(_read_text(log)):
+                    # the checkpoint did not load (verl says so, or died while loading): try the next older one
                     st["bad_checkpoints"].append(target)
                     older = [s for s in self._complete(exclude=st["bad_checkpoints"]) if s < target
                              and (limit is None or s <= limit)]
@@ -283,7 +411,9 @@ class Guard:
                             rule = st["rules"].pop()
                             self._push_rule(max(older), rule["base_period"], records)
                             st["after"] = max(older)
-                        target = self._retarget(max(older))
+                            target = self._retarget(max(older), self.options.skip_batches)
+                        else:
+                            target = self._retarget(max(older))
                         continue
                 if st["restarts"] < self.options.max_restarts and self._complete(exclude=st["bad_checkpoints"]):
                     st["restarts"] += 1
@@ -311,29 +441,33 @@ class Guard:
             limit = trouble.onset - self.options.margin
             ckpt = choose_checkpoint(self._complete(exclude=st["bad_checkpoints"]), trouble.onset, self.options.margin)
             if ckpt is None:
+                why = no_checkpoint_reason(self._complete(), st["bad_checkpoints"], trouble.onset, self.options.margin)
                 self._write_final(records)
-                self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st["attempt"],
-                                  why=f"no checkpoint at or before step {limit}")
-                print(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}) but no checkpoint "
-                      f"at or before step {limit} in {self.plan.checkpoint_dir}: "
-                      "stopping (a smaller trainer.save_freq would have one)", file=sys.stderr)
+                self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st["attempt"], why=why)
+                print(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}), but {why} in "
+                      f"{self.plan.checkpoint_dir}: stopping", file=sys.stderr)
                 return self._end("gave_up", STATUS_GAVE_UP)
             st["attempt"] += 1
             resume_tries = 0
             period = decay_period_for(trouble, self.plan.length_surge)
-            abandoned = self._keep_abandoned(st["attempt"], ckpt, seg)
             rule = self._push_rule(ckpt, period, records)
+            dest = self._attempt_dir(st["attempt"])
+            # the decision first (the state names the rollback and what to move), then the moves: a guard
+            # that dies or fails in between finishes them on --resume (_finish_pending)
+            st["segments"][-1][0] = str(dest / "metrics.jsonl")
+            st["after"], target = ckpt, ckpt
+            st["pending"] = {"checkpoint_step": ckpt, "dest": str(dest), "segment": str(seg),
+                             "skip_batches": self.options.skip_batches}
+            self._save()
             self.events.write("rollback", trouble.step, checkpoint_step=ckpt, onset_step=trouble.onset,
                               attempt=st["attempt"], reason=trouble.reason, decay_period=rule["decay_period"],
                               decay_from_step=rule["decay_from_step"], halvings_at_checkpoint=rule["halvings"],
-                              skip_batches=rule["skip_batches"], abandoned_metrics=str(abandoned))
+                              skip_batches=rule["skip_batches"], abandoned_metrics=str(dest / "metrics.jsonl"))
             print(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}): rollback "
                   f"{st['attempt']} to the checkpoint at step {ckpt}, LR x{self.plan.length_surge.gamma:g} of the LR "
                   f"in force there ({rule['halvings']} decay(s)), then every {rule['decay_period']} steps",
                   flush=True)
-            st["segments"][-1][0] = str(abandoned)
-            st["after"], target = ckpt, ckpt
-            self._save()
+            self._finish_pending()
 
     # -- what each launch resumes from -------------------------------------------------------------
     def _user_start(self) -> int:
@@ -351,19 +485,60 @@ class Guard:
         steps = self._complete(exclude=st["bad_checkpoints"])
         return self._retarget(max(steps)) if steps else None
 
-    def _retarget(self, step: int) -> int:
-        self._set_aside(step, self.run_dir / "abandoned" / "incomplete")
+    def _retarget(self, step: int, skip: int = 0) -> int:
+        self._set_aside(step, self.run_dir / "abandoned" / "incomplete", skip)
         return step
 
-    def _set_aside(self, step: int, dest: Path) -> None:
-        """Move the ``global_step_N`` folders after ``step`` (unfinished saves) aside; the tracker names ``step``."""
-        for s in step_folders(self.plan.checkpoint_dir):
+    def _set_aside(self, step: int, dest: Path, skip: int = 0) -> None:
+        """Move the ``global_step_N`` folders after ``step`` aside to ``dest``; the tracker names ``step``
+        (and with ``skip``, move ``step``'s dataloader position on). Journaled: see :meth:`_finish_pending`."""
+        self.state["pending"] = {"checkpoint_step": step, "dest": str(dest), "segment": None, "skip_batches": skip}
+        self._save()
+        self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        """Carry out the set-aside the state names (``pending``), then clear it. Every part can be
+        redone (a folder already moved is not there any more; the tracker is rewritten; the
+        dataloader is moved from its original), so a guard that died or failed midway finishes it
+        on ``--resume`` and the checkpoints match the state's decision."""
+        pending = self.state.get("pending")
+        if not pending:
+            return
+        ckdir, step, dest = self.plan.checkpoint_dir, pending["checkpoint_step"], Path(pending["dest"])
+        with io_step("make the folder", dest):
+            dest.mkdir(parents=True, exist_ok=True)
+        seg = Path(pending["segment"]) if pending.get("segment") else None
+        if seg is not None:  # a rollback: the abandoned segment's metrics and log go with its checkpoints
+            moved = dest / "metrics.jsonl"
+            with io_step("move the abandoned segment's metrics to", moved):
+                if seg.exists():
+                    shutil.move(str(seg), str(moved))
+                elif not moved.exists():
+                    moved.write_text("")
+            log = seg.with_suffix(".log")
+            if log.exists() and not (dest / "verl.log").exists():
+                with io_step("copy verl's log to", dest / "verl.log"):
+                    shutil.copy(log, dest / "verl.log")
+        for s in step_folders(ckdir):
             if s > step:
-                dest.mkdir(parents=True, exist_ok=True)
                 name = f"global_step_{s}"
-                shutil.move(str(self.plan.checkpoint_dir / name), str(dest / (name if not (dest / name).exists()
-                                                                               else f"{name}-{time.time():.0f}")))
-        write_tracker(self.plan.checkpoint_dir, step)
+                target = dest / (name if not (dest / name).exists() else f"{name}-{time.time():.0f}")
+                with io_step(f"move the checkpoint {ckdir / name} aside to", target):
+                    shutil.move(str(ckdir / name), str(target))
+        with io_step("rewrite verl's tracker", ckdir / TRACKER):
+            write_tracker(ckdir, step)
+        if pending.get("skip_batches"):
+            with io_step("move the dataloader position in", ckdir / f"global_step_{step}" / "data.pt"):
+                skip_batches(ckdir / f"global_step_{step}", pending["skip_batches"])
+        self.state["pending"] = None
+        self._save()
+
+    def _attempt_dir(self, attempt: int) -> Path:
+        """``abandoned/attempt-K`` for rollback K (a K whose folder an earlier run here filled is not reused)."""
+        dest = self.run_dir / "abandoned" / f"attempt-{attempt}"
+        while dest.exists() and any(dest.iterdir()):
+            dest = dest.with_name(f"attempt-{_next_index(dest.parent, 'attempt-{}')}")
+        return dest
 
     def _push_rule(self, ckpt: int, period: int, records: dict) -> dict:
         """The LR rule from ``ckpt`` on: one more decay than the one in force there (compounding)."""
@@ -377,8 +552,6 @@ class Guard:
         start, p = compounded_rule(ckpt, period, n)
         rule = {"checkpoint_step": ckpt, "decay_from_step": start, "decay_period": p, "halvings": n, "base_period": period,
                 "attempt": st["attempt"], "skip_batches": self.options.skip_batches}
-        if self.options.skip_batches:
-            skip_batches(self.plan.checkpoint_dir / f"global_step_{ckpt}", self.options.skip_batches)
         st["rules"] = alive + [rule]
         return rule
 
@@ -406,10 +579,18 @@ class Guard:
             overrides = [o for o in overrides if not o.startswith(("trainer.resume_mode=", "trainer.resume_from_path="))]
         cmd = self.launcher + overrides + self._logger_override + extra
         log = seg.with_suffix(".log")
-        with open(log, "w") as out:
-            out.write("$ " + " ".join(cmd) + "\n")
-            out.flush()
-            proc, lifeline = start_supervised(cmd, cwd=self.cwd, env=env, stdout=out)
+        with io_step("write verl's log", log):
+            out = open(log, "w")
+            try:
+                out.write("$ " + " ".join(cmd) + "\n")
+                out.flush()
+            except BaseException:
+                out.close()
+                raise
+        with out:
+            # the watchdog holds the run folder's lock too: it stays locked until verl is stopped
+            proc, lifeline = start_supervised(cmd, cwd=self.cwd, env=env, stdout=out,
+                                              keep_fds=(self._lock,) if self._lock is not None else ())
             try:
                 seen = None
                 while True:
@@ -451,29 +632,12 @@ class Guard:
             merged.update({s: d for s, d in read_metrics(path).items() if s >= first})
         return merged
 
-    def _keep_abandoned(self, attempt: int, ckpt: int, seg: Path) -> Path:
-        """Move the abandoned segment's checkpoints after ``ckpt`` and its metrics aside (nothing is deleted)."""
-        dest = self.run_dir / "abandoned" / f"attempt-{attempt}"
-        while dest.exists() and any(dest.iterdir()):  # a folder of an earlier run in this run-dir is kept
-            dest = dest.with_name(f"attempt-{_next_index(dest.parent, 'attempt-{}')}")
-        dest.mkdir(parents=True, exist_ok=True)
-        moved = dest / "metrics.jsonl"
-        if seg.exists():
-            shutil.move(str(seg), str(moved))
-        else:
-            moved.write_text("")
-        if seg.with_suffix(".log").exists():
-            shutil.copy(seg.with_suffix(".log"), dest / "verl.log")
-        self._set_aside(ckpt, dest)
-        return moved
-
     def _write_final(self, records: dict[int, dict]) -> Path:
         path = self.run_dir / "metrics.jsonl"
-        tmp = path.with_name(".metrics.jsonl.tmp")
-        with open(tmp, "w") as f:
-            for step in sorted(records):
-                f.write(json.dumps({"step": step, "data": records[step]}, allow_nan=True) + "\n")
-        os.replace(tmp, path)
+        text = "".join(json.dumps({"step": step, "data": records[step]}, allow_nan=True) + "\n"
+                       for step in sorted(records))
+        with io_step("write the final metrics", path):
+            write_atomic(path, text)
         return path
 
 
@@ -505,13 +669,15 @@ def skip_batches(folder: Path, n: int) -> None:
 LIFELINE_WATCHDOG = "verl_lrstab.guard.watchdog"
 
 
-def start_supervised(cmd: list[str], cwd: Path, env: dict, stdout) -> tuple[subprocess.Popen, int]:
+def start_supervised(cmd: list[str], cwd: Path, env: dict, stdout, keep_fds=()) -> tuple[subprocess.Popen, int]:
     """Start ``cmd`` under :mod:`.watchdog` in its own session; returns the process and the pipe's
-    write end (the lifeline: the kernel closes it when this process dies, however it dies)."""
+    write end (the lifeline: the kernel closes it when this process dies, however it dies).
+    ``keep_fds`` are passed on to the watchdog (not to verl): held open until it exits."""
     read, write = os.pipe()
     try:
         proc = subprocess.Popen([sys.executable, "-m", LIFELINE_WATCHDOG, str(read), "--", *cmd], cwd=cwd, env=env,
-                                stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(read,))
+                                stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
+                                pass_fds=(read, *keep_fds))
     except BaseException:
         os.close(write)
         raise

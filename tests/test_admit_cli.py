@@ -1,4 +1,4 @@
-"""``lrstab admit`` v2 (issue 34): failed candidates, the report after every candidate and on Ctrl-C,
+"""``lrstab admit`` through its CLI: failed candidates, the report after every candidate and on Ctrl-C,
 a failed reference, ``--timeout``, and the drift rule against the per-step noise of a real run.
 
 Candidates run the stand-in verl child (tests/standin/main_ppo.py) through the real CLI; each
@@ -98,7 +98,7 @@ def real_k3():
 @pytest.mark.parametrize("steps", [4, 6, 8, 12])
 @pytest.mark.parametrize("start", [0, 40, 100])
 def test_the_drift_rule_does_not_flag_a_reordered_real_runs_k3(steps, start):
-    # the per-step k3 of the real model (Qwen, a run of issue 25) in a random order: a stationary sampler
+    # the per-step k3 of the real model (Qwen, a real run) in a random order: a stationary sampler
     window = real_k3()[start:start + steps]
     assert len(window) == steps and max(window) / min(window) > 2  # the real per-step noise is large
     flagged = 0

@@ -1,4 +1,5 @@
-"""``lrstab guard`` v2 (issue 34), driven through its real CLI around a stand-in verl child.
+"""``lrstab guard`` driven through its real CLI around a stand-in verl child: the guard's own death, its
+own I/O faults, the run folder's lock, checkpoints that fail to load, verl's crashes, repeated trouble.
 
 The child (tests/standin/main_ppo.py) writes verl's file-logger lines and checkpoint layout and
 follows verl 0.9.1's resume; what goes wrong in it is scripted per test. Each test takes seconds.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,13 +32,16 @@ def expected_scale(update: int, start: int, period: int) -> float:
 
 
 class Run:
-    def __init__(self, tmp_path: Path, script: dict, steps=20, save_freq=4, extra=()):
+    def __init__(self, tmp_path: Path, script: dict, steps=20, save_freq=4, extra=(), ckpt=None, run_dir=None,
+                 step_s=None):
         self.dir = tmp_path
-        self.ckpt = tmp_path / "ckpt"
-        self.run_dir = tmp_path / "guard"
+        self.ckpt = Path(ckpt or tmp_path / "ckpt")
+        self.run_dir = Path(run_dir or tmp_path / "guard")
         (tmp_path / "script.json").write_text(json.dumps(script))
         self.env = {**os.environ, "STANDIN_PYTHON": sys.executable, "STANDIN_SCRIPT": str(tmp_path / "script.json"),
                     "STANDIN_COUNTER": str(tmp_path / "launches.txt"), "STANDIN_PIDS": str(tmp_path / "pids.txt")}
+        if step_s is not None:
+            self.env["STANDIN_STEP_S"] = str(step_s)
         self.command = [str(STANDIN), "-m", "verl.trainer.main_ppo", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
                         f"trainer.total_training_steps={steps}", f"trainer.save_freq={save_freq}",
                         f"trainer.default_local_dir={self.ckpt}", f"actor_rollout_ref.actor.optim.lr={LR0}",
@@ -68,7 +73,7 @@ def alive(pid: int) -> bool:
 
 
 # -- (1) the guard's own death ----------------------------------------------------------------------
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP])
 def test_killing_the_guard_stops_verl_and_its_daemons_within_seconds(tmp_path, sig):
     run = Run(tmp_path, {"hang_at": {"1": 1}, "daemon": True})
     proc = subprocess.Popen([sys.executable, "-m", "verl_lrstab.cli", "guard", "--run-dir", str(run.run_dir), "--",
@@ -86,12 +91,16 @@ def test_killing_the_guard_stops_verl_and_its_daemons_within_seconds(tmp_path, s
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.2)
     assert not any(alive(p) for p in pids), [p for p in pids if alive(p)]
+    if sig != signal.SIGKILL:  # a signal the guard can see: it says so, with 128 + N
+        assert proc.returncode == 128 + sig
+        (stopped,) = run.events("stopped")
+        assert stopped["signal"] == sig.name and stopped["status"] == 128 + sig
 
 
-def start_guard(run: Run, *options):
+def start_guard(run: Run, *options, stderr=subprocess.DEVNULL):
     return subprocess.Popen([sys.executable, "-m", "verl_lrstab.cli", "guard", "--run-dir", str(run.run_dir), *options,
                              "--", *run.command], cwd=run.dir, env=run.env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=stderr, text=True)
 
 
 def wait_for(predicate, timeout=60):
@@ -328,3 +337,195 @@ def test_remote_checkpoints_are_refused_with_a_message(tmp_path):
     res = run.guard()
     assert res.returncode == 2 and "trainer.default_hdfs_dir=hdfs://x/ckpt" in res.stderr
     assert not (tmp_path / "launches.txt").exists()  # refused before verl starts
+
+
+# -- (4) the guard's own faults: a full or read-only disk, a second guard, a damaged state ----------
+@pytest.fixture
+def small_fs(tmp_path):
+    """``small_fs(name)``: a 2 MB tmpfs mounted at ``tmp_path/name`` (a real file system that fills up
+    or turns read-only; needs root, as CI runs)."""
+    mounts = []
+
+    def mount(name, size="2m"):
+        folder = tmp_path / name
+        folder.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"needs a small tmpfs (mount -t tmpfs, as root): {res.stderr.strip()}")
+        mounts.append(folder)
+        return folder
+
+    yield mount
+    for folder in reversed(mounts):
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def free(folder: Path):
+    for f in folder.glob("filler-*.bin"):
+        f.unlink()
+
+
+def no_temporary_files(*folders):
+    return [p for folder in folders for p in folder.rglob("*") if "lrstab-tmp" in p.name or p.name.endswith(".tmp")]
+
+
+def assert_resumes_with_the_rollback(run, launches_before=None):
+    again = subprocess.run([sys.executable, "-m", "verl_lrstab.cli", "guard", "--resume", str(run.run_dir)],
+                           cwd=run.dir, env=run.env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    (rb,) = run.events("rollback")
+    final = run.final()
+    assert sorted(final) == list(range(1, 21))
+    assert final[rb["checkpoint_step"] + 1]["actor/lr"] == pytest.approx(LR0 * 0.5)
+    assert all(final[u]["actor/lr"] == pytest.approx(LR0) for u in range(1, rb["checkpoint_step"] + 1))
+    assert json.loads((run.run_dir / "guard_state.json").read_text())["status"] == "done"
+
+
+def test_a_full_checkpoint_disk_ends_the_guard_with_status_5_and_resume_continues(tmp_path, small_fs):
+    disk = small_fs("ckdisk")
+    # NaN at steps 10-11 -> rollback to 8; after step 10 the checkpoint disk is full: the tracker rewrite fails
+    run = Run(tmp_path, {"nan_at": {"1": [10, 11]}, "hang_at": {"1": 11}, "fill_at": {"1": [10, str(disk)]}},
+              ckpt=disk / "ckpt")
+    res = run.guard()
+    assert res.returncode == 5, res.stderr
+    tracker = run.ckpt / "latest_checkpointed_iteration.txt"
+    assert f"cannot rewrite verl's tracker {tracker}: No space left on device (ENOSPC)" in res.stderr
+    assert res.stderr.count("error:") == 1 and "Traceback" not in res.stderr
+    failed = run.events()[-1]
+    assert failed["event"] == "failed" and failed["cause"] == "guard_io" and failed["path"] == str(tracker)
+    state = json.loads((run.run_dir / "guard_state.json").read_text())
+    assert state["status"] == "running" and state["pending"]["checkpoint_step"] == 8  # the decision, kept
+    assert read_tracker(run.ckpt) == 8  # verl's own, untouched (the rewrite failed before its rename)
+    assert not no_temporary_files(run.ckpt, run.run_dir)
+    free(disk)
+    assert_resumes_with_the_rollback(run)
+
+
+def test_a_read_only_checkpoint_disk_ends_the_guard_with_status_5_and_resume_continues(tmp_path, small_fs):
+    disk = small_fs("ckdisk")
+    run = Run(tmp_path, {"nan_at": {"1": [10, 11]}, "hang_at": {"1": 11}}, ckpt=disk / "ckpt", step_s=0.3)
+    proc = start_guard(run, stderr=subprocess.PIPE)
+    seg = run.run_dir / "segment-1.jsonl"
+    assert wait_for(lambda: 9 in read_metrics(seg), timeout=90)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 5, err
+    assert "Read-only file system (EROFS)" in err and str(run.ckpt) in err and err.count("error:") == 1
+    assert run.events()[-1]["event"] == "failed"
+    assert json.loads((run.run_dir / "guard_state.json").read_text())["status"] == "running"
+    subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+    assert not no_temporary_files(run.ckpt, run.run_dir)
+    assert_resumes_with_the_rollback(run)
+
+
+def test_a_full_run_folder_after_training_ends_with_status_5_and_resume_writes_the_result(tmp_path, small_fs):
+    disk = small_fs("rundisk")
+    run = Run(tmp_path, {"fill_run_dir_at": {"1": 20}}, run_dir=disk / "guard")
+    res = run.guard()
+    assert res.returncode == 5, res.stderr
+    assert f"cannot write the final metrics {run.run_dir / 'metrics.jsonl'}: No space left on device" in res.stderr
+    assert json.loads((run.run_dir / "guard_state.json").read_text())["status"] == "running"
+    assert not no_temporary_files(run.run_dir) and not (run.run_dir / "metrics.jsonl").exists()
+    for f in run.run_dir.glob("filler-*.bin"):
+        f.unlink()
+    again = subprocess.run([sys.executable, "-m", "verl_lrstab.cli", "guard", "--resume", str(run.run_dir)],
+                           cwd=run.dir, env=run.env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert run.launches() == 1  # verl had finished: the result is written, nothing is trained again
+    assert sorted(run.final()) == list(range(1, 21)) and run.events()[-1]["event"] == "done"
+
+
+def test_a_second_guard_on_the_same_run_folder_is_refused_naming_the_first(tmp_path):
+    run = Run(tmp_path, {"hang_at": {"1": 5}})
+    proc = start_guard(run)
+    try:
+        assert wait_for(lambda: (run.run_dir / "segment-1.jsonl").exists()
+                        and 5 in read_metrics(run.run_dir / "segment-1.jsonl"))
+        for command in (None, [*run.command, "trainer.total_training_steps=13"]):  # the same command or not
+            second = run.guard(command=command)
+            assert second.returncode == 2 and f"another lrstab guard (pid {proc.pid}) is running" in second.stderr
+        resume = subprocess.run([sys.executable, "-m", "verl_lrstab.cli", "guard", "--resume", str(run.run_dir)],
+                                cwd=tmp_path, env=run.env, capture_output=True, text=True, timeout=120)
+        assert resume.returncode == 2 and f"pid {proc.pid}" in resume.stderr
+        assert run.launches() == 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    # the killed guard's lock does not block --resume (the kernel dropped it once its verl was stopped)
+    assert wait_for(lambda: not any(alive(int(p)) for p in (tmp_path / "pids.txt").read_text().split()), timeout=30)
+    (tmp_path / "script.json").write_text("{}")
+    again = subprocess.run([sys.executable, "-m", "verl_lrstab.cli", "guard", "--resume", str(run.run_dir)],
+                           cwd=tmp_path, env=run.env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert sorted(run.final()) == list(range(1, 21))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda st: st.pop("rules"), "the key 'rules' is missing"),
+    (lambda st: st.update(attempt=-1), "the key 'attempt' is -1, expected an integer >= 0"),
+    (lambda st: st.update(segments=[["a"]]), "the key 'segments' is [['a']]"),
+])
+def test_a_damaged_guard_state_is_refused_naming_the_file_and_key(tmp_path, damage, message):
+    run = Run(tmp_path, {"hang_at": {"1": 5}})
+    proc = start_guard(run)
+    assert wait_for(lambda: (run.run_dir / "segment-1.jsonl").exists()
+                    and 5 in read_metrics(run.run_dir / "segment-1.jsonl"))
+    proc.kill()
+    proc.wait(timeout=30)
+    path = run.run_dir / "guard_state.json"
+    state = json.loads(path.read_text())
+    damage(state)
+    path.write_text(json.dumps(state))
+    res = subprocess.run([sys.executable, "-m", "verl_lrstab.cli", "guard", "--resume", str(run.run_dir)],
+                         cwd=tmp_path, env=run.env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and f"{path}: {message}" in res.stderr and "Traceback" not in res.stderr
+
+
+# -- (5) blame what failed ---------------------------------------------------------------------------
+def test_a_crash_at_the_first_step_after_a_resume_does_not_blame_the_checkpoint(tmp_path):
+    # verl dies at step 7 on every launch (checkpoints every 2 steps): after the restart from 6 it dies
+    # before logging, but after the load finished: 6 is not marked bad, nothing walks back to 4
+    run = Run(tmp_path, {"crash_at": {"1": 7, "2": 7}}, save_freq=2)
+    res = run.guard("--max-restarts", "1")
+    assert res.returncode == 4, res.stderr
+    assert not run.events("resume_failed")
+    assert [e["checkpoint_step"] for e in run.events("restart")] == [6]
+    state = json.loads((run.run_dir / "guard_state.json").read_text())
+    assert state["bad_checkpoints"] == [] and checkpoint_steps(run.ckpt) == [2, 4, 6]
+    assert not (run.run_dir / "abandoned" / "incomplete").exists()
+
+
+def test_a_load_killed_midway_blames_the_checkpoint(tmp_path):
+    run = Run(tmp_path, {"crash_at": {"1": 11}, "die_loading": [8]})
+    res = run.guard("--max-restarts", "1")
+    assert res.returncode == 0, res.stderr
+    (failed,) = run.events("resume_failed")
+    assert failed["checkpoint_step"] == 8 and failed["next_checkpoint"] == 4
+    assert sorted(run.final()) == list(range(1, 21))
+
+
+def test_a_stale_tracker_gets_a_warning_naming_both_steps(tmp_path):
+    run = Run(tmp_path, {}, steps=12)
+    seg = tmp_path / "plain.jsonl"
+    plain = subprocess.run(run.command, cwd=tmp_path, env={**run.env, "VERL_FILE_LOGGER_PATH": str(seg)},
+                           capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    assert checkpoint_steps(run.ckpt) == [4, 8, 12]
+    (run.ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    run.command = [*run.command[:-1], "trainer.total_training_steps=16", run.command[-1]]
+    res = run.guard()
+    assert res.returncode == 0, res.stderr
+    assert "names step 4, but the checkpoint at step 12 has all its shards and data.pt" in res.stderr
+    (stale,) = run.events("stale_tracker")
+    assert (stale["tracker_step"], stale["newest_checkpoint"]) == (4, 12)
+
+
+def test_giving_up_for_want_of_a_checkpoint_says_why(tmp_path):
+    # the +-1 reward's score is flat until step 10: its peak (the crash's onset) is step 1, before any checkpoint
+    run = Run(tmp_path, {"score": "pm1"}, steps=24)
+    res = run.guard()
+    assert res.returncode == 3
+    assert re.search(r"no checkpoint at or before step -1 \(onset 1 - --margin 2\): the oldest is at step 4, the "
+                     r"newest at step \d+", res.stderr), res.stderr
+    assert "save_freq" not in res.stderr

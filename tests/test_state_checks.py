@@ -1,0 +1,177 @@
+"""Values that would break a run later are refused when given, naming the key: option bounds, Hydra-like
+keys, text figures, a loaded scheduler state, an update counter that goes back, negative replay steps."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import re
+
+import pytest
+import torch
+
+from verl_lrstab.cli import main
+from verl_lrstab.config import MAX_DECAY_PERIOD, LengthSurgeConfig
+from verl_lrstab.schedule import LengthSurgeSchedule
+from verl_lrstab.scheduler import LengthSurgeLR
+from verl_lrstab.state_checks import SchedulerStateError
+
+KEY = "actor_rollout_ref.actor.optim.length_surge"
+FAST = {"detector": "ratio", "skip_first_steps": 0, "fast_window": 1, "baseline_window": 2, "horizon": 3, "patience": 1}
+
+
+# -- options ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key,value", [("period_factor", 1e308), ("period_factor", 1001.0),
+                                       ("decay_period", MAX_DECAY_PERIOD + 1), ("decay_period", 10**30)])
+def test_a_decay_period_past_any_run_is_refused_at_config_time(key, value):
+    with pytest.raises(ValueError, match=re.escape(f"{KEY}.{key}={value!r} is invalid")):
+        LengthSurgeConfig.from_dict({key: value})
+
+
+def test_the_largest_period_factor_cannot_overflow_at_any_surge_step():
+    from verl_lrstab.schedule import decay_period_from_surge
+
+    cfg = LengthSurgeConfig.from_dict({"period_factor": 1000.0})
+    assert decay_period_from_surge(10**6, cfg.period_factor) == 10**9  # an int, no OverflowError
+
+
+@pytest.mark.parametrize("key", ["_gamma", "_", "__period_factor"])
+def test_unknown_underscore_keys_are_refused_like_any_unknown_key(key):
+    with pytest.raises(ValueError, match=rf"unknown key\(s\) \['{KEY}\.{key}'\]"):
+        LengthSurgeConfig.from_dict({key: 0.25})
+
+
+def test_hydras_own_keys_are_accepted():
+    cfg = LengthSurgeConfig.from_dict({"_target_": "verl_lrstab.glue.configs.LengthSurgeOptimizerConfig",
+                                       "gamma": 0.25})
+    assert cfg.gamma == 0.25
+
+
+# -- figures ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("detector", ["cusum", "ratio"])
+def test_a_length_given_as_text_is_skipped_with_the_nan_warning(detector, caplog):
+    options = {"detector": detector, **({k: v for k, v in FAST.items() if k != "detector"} if detector == "ratio"
+                                        else {})}
+    text, nan = LengthSurgeSchedule(options), LengthSurgeSchedule(options)
+    with caplog.at_level(logging.WARNING, logger="verl_lrstab"):
+        text.observe(1, "1200")
+        nan.observe(1, math.nan)
+    assert text.detector.num_skipped == nan.detector.num_skipped == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("'1200' is not a positive finite number" in m for m in messages), messages
+    assert any("nan is not a positive finite number" in m for m in messages), messages
+    assert math.isnan(text.response_length)
+
+
+def test_a_co_signal_given_as_text_is_not_fed():
+    s = LengthSurgeSchedule({})
+    s.observe(1, 1000.0, score="0.5", clip_ratio="0.1", mismatch_kl="0.01")
+    assert math.isnan(s.score) and math.isnan(s.clip_ratio) and math.isnan(s.mismatch_kl)
+    assert s.detector.state_dict()["score"] == [] and s.detector.state_dict()["clip"] == []
+
+
+def test_an_update_counter_that_goes_back_is_warned_about_not_absorbed(caplog):
+    s = LengthSurgeSchedule(FAST)
+    for u in range(1, 11):
+        s.observe(u, 1000.0)
+    before = copy.deepcopy(s.detector.state_dict())
+    with caplog.at_level(logging.WARNING, logger="verl_lrstab"):
+        fired = s.observe(3, 3800.0)  # a 3.8x length, at a counter that went back from 10 to 3
+    assert not fired and s.detector.state_dict() == before  # not fed out of order
+    assert any("update counter went back from 10 to 3" in r.getMessage() for r in caplog.records)
+    # the next update in order is fed and reports the surge
+    assert s.observe(11, 3800.0) and s.trigger_step == 11
+
+
+# -- a loaded scheduler state ----------------------------------------------------------------------
+def trained_state():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)
+    sched = LengthSurgeLR(opt, config=FAST)
+    for length in [100.0] * 6 + [300.0] * 4:
+        opt.step()
+        sched.step(length)
+    return sched.state_dict()
+
+
+def fresh():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)
+    return LengthSurgeLR(opt, config=FAST)
+
+
+def _set(state, path, value):
+    node = state
+    for key in path[:-1]:
+        node = node[key]
+    if value is KeyError:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+
+
+@pytest.mark.parametrize("path,value,field", [
+    (("base_lrs", 0), math.nan, r"base_lrs\[0\]=nan"),
+    (("base_lrs", 0), -1e-6, r"base_lrs\[0\]=-1e-06"),
+    (("base_lrs", 0), math.inf, r"base_lrs\[0\]=inf"),
+    (("base_lrs",), [], r"base_lrs=\[\]"),
+    (("last_epoch",), -5, r"last_epoch=-5"),
+    (("last_epoch",), KeyError, r"last_epoch=<missing>"),
+    (("_last_lr", 0), math.inf, r"_last_lr\[0\]=inf"),
+    (("schedule", "detector"), KeyError, r"detector=<missing>"),
+    (("schedule", "detector", "history"), KeyError, r"detector\.history=<missing>"),
+    (("schedule", "detector", "history", 0), [1], r"detector\.history\[0\]=\[1\]"),
+    (("schedule", "detector", "history", 0), ["a", 1.0], r"detector\.history\[0\]=\['a', 1\.0\]"),
+    (("schedule", "detector", "num_skipped"), -1, r"detector\.num_skipped=-1"),
+    (("schedule", "trigger_step"), "7", r"trigger_step='7'"),
+])
+def test_a_damaged_scheduler_state_is_refused_naming_the_step_and_field(path, value, field):
+    state = trained_state()
+    step = state["last_epoch"]
+    _set(state, path, value)
+    with pytest.raises(SchedulerStateError, match=rf"the checkpoint at update ({step}|-5|\?): .*{field}"):
+        fresh().load_state_dict(state)
+
+
+def test_a_cusum_state_missing_a_field_is_refused_an_older_one_without_the_cosignals_is_not():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)
+    sched = LengthSurgeLR(opt)
+    for _ in range(12):
+        opt.step()
+        sched.step(1000.0)
+    state = sched.state_dict()
+    older = copy.deepcopy(state)
+    for key in ("co", "watch", "cosignals_up"):  # written before those fields existed
+        del older["schedule"]["detector"][key]
+    LengthSurgeLR(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)).load_state_dict(older)
+    del state["schedule"]["detector"]["cusum"]
+    with pytest.raises(SchedulerStateError, match=r"the checkpoint at update 12: .*detector\.cusum=<missing>"):
+        LengthSurgeLR(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)).load_state_dict(state)
+
+
+def test_a_sound_state_still_round_trips():
+    state = trained_state()
+    sched = fresh()
+    sched.load_state_dict(copy.deepcopy(state))
+    assert sched.state_dict() == state
+
+
+# -- lrstab replay ---------------------------------------------------------------------------------
+def test_replay_refuses_negative_steps(tmp_path, capsys):
+    run = tmp_path / "run.csv"
+    run.write_text("step,response_length/mean\n" + "".join(f"{s},{100 + max(0, s) * 5}\n" for s in range(-200, 40)))
+    assert main(["replay", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert "200 negative step number(s) (first: -200)" in err and "LR scale" not in err
+
+
+def test_a_damaged_megatron_scheduler_state_is_refused_naming_the_step_and_field():
+    pytest.importorskip("megatron.core", reason="needs megatron-core (make install-megatron)")
+    from verl_lrstab.state_checks import check_megatron_scheduler_state
+
+    state = {"max_lr": 1e-6, "min_lr": 0.0, "num_steps": 12, "length_surge": {"schedule": trained_state()["schedule"]}}
+    check_megatron_scheduler_state(copy.deepcopy(state))
+    with pytest.raises(SchedulerStateError, match=r"the checkpoint at update 12: .*max_lr=nan"):
+        check_megatron_scheduler_state({**state, "max_lr": math.nan})
+    state["length_surge"]["schedule"]["detector"]["history"].append("x")
+    with pytest.raises(SchedulerStateError, match=r"the checkpoint at update 12: .*detector\.history\[\d+\]='x'"):
+        check_megatron_scheduler_state(state)

@@ -1,0 +1,105 @@
+"""The guard's own file operations: atomic writes that leave no temporary file behind, an I/O error
+that names the operation and the path, and the lock that keeps one guard per run directory.
+
+A full or read-only disk must not kill the guard with a bare ``[Errno 28]``: every write the
+guard makes goes through :func:`io_step`, which turns an ``OSError`` into a :class:`GuardIOError`
+naming what was being done and where; the supervisor ends on it with its own exit status.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class GuardIOError(Exception):
+    """One of the guard's own file operations failed (a full or read-only disk, a missing folder)."""
+
+    def __init__(self, operation: str, path, err: OSError):
+        self.operation, self.path, self.err = operation, str(path), err
+        code = errno.errorcode.get(err.errno or 0, "")
+        super().__init__(f"cannot {operation} {path}: {err.strerror or err}" + (f" ({code})" if code else ""))
+
+
+@contextmanager
+def io_step(operation: str, path):
+    """Run the block; an ``OSError`` in it becomes a :class:`GuardIOError` naming ``operation`` and ``path``."""
+    try:
+        yield
+    except GuardIOError:
+        raise
+    except OSError as err:
+        raise GuardIOError(operation, path, err) from err
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader (or a guard killed midway) sees the old or the new
+    file; on failure the temporary file is removed and the old file stays."""
+    tmp = path.with_name(f".{path.name}.lrstab-tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """:func:`write_atomic` of ``data`` as JSON."""
+    write_atomic(path, json.dumps(data, indent=1))
+
+
+LOCK = "guard.lock"
+
+
+class RunDirBusy(Exception):
+    """Another guard holds the run directory (``pid``: the one written in the lock, or None)."""
+
+    def __init__(self, path: Path, pid):
+        self.path, self.pid = path, pid
+        super().__init__(str(path))
+
+
+def lock_run_dir(run_dir: Path) -> int:
+    """Take ``<run_dir>/guard.lock`` (an exclusive ``flock``) and write this process's pid in it;
+    return the open descriptor (the lock lasts while it, or a process it is passed to, is open).
+    The kernel drops the lock when its holders die, so a killed guard leaves no stale lock; the
+    watchdog that stops verl inherits it, so the folder stays locked until verl is gone."""
+    path = run_dir / LOCK
+    with io_step("open the lock file", path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            pid = int(os.pread(fd, 32, 0).decode().strip() or 0) or None
+        except (OSError, ValueError):
+            pid = None
+        os.close(fd)
+        raise RunDirBusy(path, pid) from None
+    try:
+        with io_step("write the lock file", path):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, TypeError, ValueError):
+        return False
+    return True
