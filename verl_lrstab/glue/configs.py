@@ -26,11 +26,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from verl_lrstab.config import SCHEDULER_NAME, LengthSurgeConfig
+from verl_lrstab.config import OPTIM_KEY, SCHEDULER_NAME, LengthSurgeConfig
 
 logger = logging.getLogger("verl_lrstab")
 
-OPTIM = "actor_rollout_ref.actor.optim"
+OPTIM = OPTIM_KEY
 STOCK_SCHEDULERS = ("constant", "cosine")
 SCHEDULERS = STOCK_SCHEDULERS + (SCHEDULER_NAME,)
 # megatron-core's OptimizerParamScheduler.get_lr (0.16, 0.19); anything else raises there at run time.

@@ -1,0 +1,28 @@
+"""Small numeric helpers shared by the detectors, the schedule and the glue (pure Python)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+
+def finite_float(value) -> Optional[float]:
+    """``float(value)`` if it is a finite number (bools and non-numbers are not), else None."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def finite_values(value) -> list[float]:
+    """The finite numbers in ``value``: a number, a 0-d tensor (``.item()``) or nested lists/tuples of them."""
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in finite_values(item)]
+    try:
+        v = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError):
+        return []
+    return [v] if math.isfinite(v) else []
