@@ -13,7 +13,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from verl_lrstab import mismatch
 from verl_lrstab.glue import driver
 from verl_lrstab.glue.signals import BatchStats, measure_batch, response_lengths
-from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, with_metrics
+from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, finish_update, state_of
 
 PROMPT, RESP = 6, 8
 RESPONSE_LENS = [8, 3, 0, 5]  # one empty (aborted) response
@@ -119,10 +119,15 @@ def test_missing_rollout_log_probs_logs_nothing_and_names_the_key(caplog, monkey
 
 
 def test_metrics_are_added_to_verl_output():
+    from verl_lrstab.scheduler import LengthSurgeLR
+
+    sched = LengthSurgeLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-6), {"detector": "ratio"})
     output = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"lr": [1e-6], "loss": [0.5]}})
-    merged = tu.get(with_metrics(output, {"lrstab/surge_step": -1, "mismatch/k3": 1e-4}), "metrics")
-    assert merged == {"lr": [1e-6], "loss": [0.5], "lrstab/surge_step": [-1], "mismatch/k3": [1e-4]}
-    assert with_metrics(None, {"x": 1}) is None
+    merged = tu.get(finish_update(sched, state_of(sched), output, True, {"mismatch/k3": 1e-4}), "metrics")
+    assert merged == {"lr": [1e-6], "loss": [0.5], "mismatch/k3": [1e-4],
+                      **{key: [value] for key, value in sched.metrics().items()}}
+    assert merged["lrstab/surge_step"] == [-1]
+    assert finish_update(sched, state_of(sched), None, True, {"x": 1}) is None  # ranks that do not report
 
 
 def test_v1_synthetic_padding_samples_are_left_out_like_verls_metrics():
@@ -314,7 +319,7 @@ def test_the_step_feeds_the_clip_ratio_over_its_updates():
         state = StepState()
         for length in lengths:
             state.add_batch(BatchStats(length, [0.0, 0.0], None))
-        return state.figures("k3", False).clip_ratio
+        return state.figures("k3", False)[0].clip_ratio
 
     assert clip_ratio([30.0, 4.0, 1.0], [10.0, 4.0, 2.0]) == pytest.approx(3 / 8)
     assert clip_ratio([30.0, 4.0]) is None  # no cap known: no clip ratio, never a made-up 0

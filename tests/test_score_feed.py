@@ -62,12 +62,12 @@ def test_batch_without_scores_gives_none_and_the_step_runs_on_the_length(caplog)
     assert stats is None
     state = StepState()
     state.add_batch(BatchStats([10.0, 2.0], stats, None))
-    assert state.figures("k3", False).score is None
+    assert state.figures("k3", False)[0].score is None
 
 
 def test_the_step_state_averages_the_score_over_a_trainer_steps_updates():
     state = StepState()
-    score = lambda: state.figures("k3", False).score  # noqa: E731
+    score = lambda: state.figures("k3", False)[0].score  # noqa: E731
     add = lambda s: state.add_batch(BatchStats([10.0, 4.0], s, None))  # noqa: E731
     add([3.0, 4.0])
     add([1.0, 4.0])

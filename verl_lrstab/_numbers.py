@@ -16,13 +16,3 @@ def finite_float(value) -> Optional[float]:
         return None
     return v if math.isfinite(v) else None
 
-
-def finite_values(value) -> list[float]:
-    """The finite numbers in ``value``: a number, a 0-d tensor (``.item()``) or nested lists/tuples of them."""
-    if isinstance(value, (list, tuple)):
-        return [v for item in value for v in finite_values(item)]
-    try:
-        v = float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError, RuntimeError):
-        return []
-    return [v] if math.isfinite(v) else []

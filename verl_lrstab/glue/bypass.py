@@ -23,11 +23,10 @@ def train_mini_batch_bypass(worker, scheduler, state, data, run, batch, position
     """One update of a bypass-mode ``length_surge`` run; as :func:`verl_lrstab.glue.steps.run_update`
     (``state``: its :class:`~verl_lrstab.glue.steps.StepState`), the mismatch figure fed at the optimizer step."""
     mismatch.warn_once("bypass")
+    n_sequences = first_mini_batch_size(worker, data)
     state.add_batch(batch, with_mismatch=False)  # old vs rollout log-probs: 0 by construction
     metric, is_async, last = scheduler.config.mismatch_metric, position.is_async, position.last
-    fed = state.figures(metric, is_async, None) if last else None
-    if last:
-        state.feed(scheduler, fed)
+    fed = state.feed(scheduler, position, with_mismatch=False)[0] if last else None
     figures = {}
     done = False
 
@@ -36,13 +35,13 @@ def train_mini_batch_bypass(worker, scheduler, state, data, run, batch, position
         if last:
             figures.update(state.mismatch_figures() or {})
             if not done:  # after the update the step is taken: the figure is logged, not fed to the next step
-                scheduler.observe_update(dataclasses.replace(fed, mismatch_kl=state.figures(metric, is_async,
-                                                                                             figures or None).mismatch_kl))
+                kl = None if (not figures or is_async) else figures.get(f"mismatch/{metric}")
+                scheduler.observe_update(dataclasses.replace(fed, mismatch_kl=kl))
 
     engine = worker.engine
     hold = contextlib.nullcontext() if last else scheduler.holding()
     with hold, capture_first_mini_batch(
-            worker, first_mini_batch_size(worker, data), micro_batch_view,
+            worker, n_sequences, micro_batch_view,
             optimizer=getattr(engine, "optimizer", None), group=engine.get_data_parallel_group(),
             on_reduced=on_reduced) as capture:
         output = run()

@@ -17,7 +17,6 @@ from typing import Iterable, NamedTuple, Optional
 import torch
 
 from verl_lrstab import mismatch
-from verl_lrstab._numbers import finite_values
 from verl_lrstab.collective import Part, all_reduce_or_none, reduce_or_none
 from verl_lrstab.glue.wraps import Check, VerlShapeError
 
@@ -263,6 +262,16 @@ def old_log_prob_entropy(output, data) -> Optional[float]:
     return None if reduced is None or reduced[1].item() <= 0 else reduced[0].item() / reduced[1].item()
 
 
+def _finite_values(value) -> list[float]:
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in _finite_values(item)]
+    try:
+        v = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError):
+        return []
+    return [v] if v == v and abs(v) != float("inf") else []
+
+
 def update_figure_stats(output) -> torch.Tensor:
     """``[sum, count]`` per :data:`UPDATE_FIGURES` entry of one update's metrics (verl's values: one
     per mini-batch, already gathered over the data-parallel group; the driver logs their mean).
@@ -274,7 +283,7 @@ def update_figure_stats(output) -> torch.Tensor:
         metrics = tu.get(output, "metrics") or {}
     stats = []
     for key in UPDATE_FIGURES.values():
-        values = finite_values(metrics.get(key, []))
+        values = _finite_values(metrics.get(key, []))
         stats += [sum(values), float(len(values))]
     return torch.tensor(stats, dtype=torch.float64)
 

@@ -122,13 +122,15 @@ class StepState:
         """The step's ``mismatch/*`` figures so far, or None."""
         return mismatch.finalize(self.mismatch if self.mismatch_valid else None)
 
-    def figures(self, mismatch_metric: str, is_async: bool, figures: Optional[dict] = None) -> UpdateFigures:
-        """The step's batch figures for the scheduler: the mean length (NaN: unmeasured), score and clip
-        ratio (None: unavailable), and the mismatch figure ``mismatch_metric`` of ``figures``.
+    def figures(self, mismatch_metric: str, is_async: bool, with_mismatch: bool = True) -> tuple:
+        """``(UpdateFigures, mismatch/* figures or None)``: the step's batch figures for the scheduler (the mean
+        length, NaN: unmeasured; score and clip ratio, None: unavailable; the mismatch figure ``mismatch_metric``)
+        and the step's ``mismatch/*`` figures (none with ``with_mismatch`` false: bypass mode's come later).
 
         In the async modes the rollout's log-probs come from older weights: the figures mix engine
         mismatch with policy staleness, so they are logged but never reach the detector (docs/integration.md).
         """
+        figures = self.mismatch_figures() if with_mismatch else None
         total, count = self.length
         at_cap, responses = self.at_cap
         score, scored = self.score
@@ -137,10 +139,13 @@ class StepState:
             response_length=total / count if measured else math.nan,
             mismatch_kl=None if (figures is None or is_async) else figures.get(f"mismatch/{mismatch_metric}"),
             score=score / scored if self.score_valid and scored > 0 else None,
-            clip_ratio=at_cap / responses if self.clip_valid and not self.length_unmeasured and responses > 0 else None)
+            clip_ratio=at_cap / responses if self.clip_valid and not self.length_unmeasured and responses > 0 else None,
+        ), figures
 
-    def feed(self, scheduler: FedSchedule, figures: UpdateFigures) -> None:
-        """Hand the step's batch figures to the scheduler (verl's engine then steps it); count the failures."""
+    def feed(self, scheduler: FedSchedule, position: StepPosition, with_mismatch: bool = True):
+        """Hand the step's batch figures to the scheduler (verl's engine then steps it); count the failures.
+        Returns ``(the figures fed, the step's mismatch/* figures to log)`` (bypass mode: no mismatch yet)."""
+        figures, logged = self.figures(scheduler.config.mismatch_metric, position.is_async, with_mismatch)
         if scheduler.figures_waiting:  # the previous step's figures were never consumed
             self.unstepped_steps += 1
             if self.unstepped_steps >= MAX_UNSTEPPED_STEPS:
@@ -159,22 +164,25 @@ class StepState:
                                 "verl 0.9.x; `python patches/check_verl.py` lists what no longer matches.")
         else:
             self.unmeasured_steps = 0
+        scheduler.set_updates_per_step(position.count)
         scheduler.observe_update(figures)
+        return figures, logged or {}
 
     # -- what verl's update logged (measured after each update) ---------------------------------
     def _reset_update_sums(self) -> None:
         self.update_sums = torch.zeros(2 * len(signals.UPDATE_FIGURES), dtype=torch.float64)
         self.update_valid = True
 
-    def add_update(self, stats: Optional[torch.Tensor]) -> None:
+    def close_update(self, stats: Optional[torch.Tensor], last: bool) -> dict:
+        """Add one update's :data:`~.signals.UPDATE_FIGURES` sums (None: some rank could not read them); on the
+        step's last update, the step's means (the old-log-prob pass's entropy winning over the update's own),
+        used once: the sums and the entropy start afresh. Earlier updates: ``{}``."""
         if stats is None:
             self.update_valid = False
         else:
             self.update_sums += stats
-
-    def cosignals(self) -> dict:
-        """The step's means of :data:`~.signals.UPDATE_FIGURES` (the old-log-prob pass's entropy winning over
-        the update's own); used once: the sums and the entropy start afresh."""
+        if not last:
+            return {}
         means = {}
         if self.update_valid:
             for i, name in enumerate(signals.UPDATE_FIGURES):
@@ -209,7 +217,6 @@ def begin_update(scheduler: FedSchedule, position: StepPosition) -> StepState:
     loop over), and the LR would stay constant with nothing logged.
     """
     state = state_of(scheduler)
-    scheduler.set_updates_per_step(position.count)
     if position.index == 0:
         state.reset_batch()
     if position.last:
@@ -235,30 +242,23 @@ def run_update(scheduler: FedSchedule, state: StepState, batch: signals.BatchSta
     if not position.last:  # not the step's last update: the LR stays, nothing is logged
         with scheduler.holding():
             return run(), {}
-    figures = state.mismatch_figures()
-    state.feed(scheduler, state.figures(scheduler.config.mismatch_metric, position.is_async, figures))
-    state.reset_batch()
-    return run(), figures or {}
+    _, logged = state.feed(scheduler, position)  # (the next step's first update restarts the sums)
+    return run(), logged
 
 
 def finish_update(scheduler: FedSchedule, state: StepState, output, last: bool, logged: dict):
     """After verl's update (every rank, each update: one collective): sum what it logged; on the step's last
     update feed its means to the scheduler and log the step's ``lrstab/*`` figures and ``logged``."""
-    state.add_update(signals.measure_update_output(output))
+    means = state.close_update(signals.measure_update_output(output), last)
     if not last:
         return output
-    scheduler.observe_update(UpdateFigures(cosignals=state.cosignals()))
-    return with_metrics(output, {**scheduler.metrics(), **logged})
-
-
-def with_metrics(output, extra: dict):
-    """Return verl's ``train_mini_batch`` output with ``extra`` added to its metrics."""
+    scheduler.observe_update(UpdateFigures(cosignals=means))
     if output is None:  # ranks that do not report
         return output
     from verl.utils import tensordict_utils as tu
 
     metrics = dict(tu.get(output, "metrics"))
-    for key, value in extra.items():
+    for key, value in {**scheduler.metrics(), **logged}.items():
         metrics[key] = [value]
     return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
 
