@@ -211,7 +211,7 @@ def test_resume_from_a_stock_checkpoint_warns_and_keeps_length_surge(caplog):
 
 
 def test_a_changed_option_is_named_as_on_fsdp(caplog):
-    # one behaviour on both engines (FedSchedule._restore_schedule; FSDP: tests/test_glue_v2.py)
+    # one behaviour on both engines (FedSchedule._restore_schedule; FSDP: tests/test_glue_guarantees.py)
     opt, sched, _ = make({**FAST, "period_factor": 1.8})
     drive(sched, opt, [100.0] * 3)
     opt2, resumed, _ = make({**FAST, "period_factor": 1.2})

@@ -1,4 +1,4 @@
-"""The glue's guarantees (issue 26) on verl's real classes: stock runs reach verl's own code untouched,
+"""The glue's guarantees on verl's real classes: stock runs reach verl's own code untouched,
 and a ``length_surge`` run that cannot work is refused with the key to set, never trained at a
 constant LR. The end-to-end forms (a real ``main_ppo``) are in ``tests/e2e/test_failsafe_e2e.py``.
 """
