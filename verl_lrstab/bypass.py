@@ -81,18 +81,19 @@ def capture_first_mini_batch(owner, n_sequences: int, view: View, optimizer=None
     capture = FirstMiniBatchCapture(n_sequences)
     loss_fn = getattr(owner, loss_attr)
     handle = None
+    reduce_at_step = capture.optimizer_pre_hook(group, on_reduced)
     setattr(owner, loss_attr, capture.wrap_loss(loss_fn, view))
     try:
         if hasattr(optimizer, "register_step_pre_hook"):
-            handle = optimizer.register_step_pre_hook(capture.optimizer_pre_hook(group, on_reduced))
+            handle = optimizer.register_step_pre_hook(reduce_at_step)
         yield capture
     finally:
         setattr(owner, loss_attr, loss_fn)
         if handle is not None:
             handle.remove()
-    if not capture.reduced:
+    if not capture.reduced:  # no optimizer step was seen: reduce now, late (the scheduler already stepped)
         mismatch.warn_once("bypass_late")
-        capture.reduce_and_report(group, on_reduced)
+        reduce_at_step(optimizer, (), {})
 
 
 class FirstMiniBatchCapture:
