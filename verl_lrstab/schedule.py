@@ -402,7 +402,7 @@ def replay(steps: Iterable[int], values: Iterable[Optional[float]],
 
     ``mismatch_kl``, ``score`` and ``clip_ratio`` are aligned with ``steps`` (None/NaN where a
     step did not log them); left out, they are unavailable. ``cosignals`` (``{name: column}``,
-    detector v4's: ``entropy``, ``grad_norm``, ``kl_loss``, ``pg_clipfrac``) are handed to the
+    detector: cusum's: ``entropy``, ``grad_norm``, ``kl_loss``, ``pg_clipfrac``) are handed to the
     detector after each step's own decision, as the trainer does (it has an update's figures
     only after the update); ``detector: ratio`` reads the length only.
     """
