@@ -42,11 +42,11 @@ sys.path.insert(0, str(ROOT))
 
 from verl_lrstab.mismatch import compute_stats, finalize, mismatch_metrics  # noqa: E402
 from verl_lrstab.scheduler import LengthSurgeLR  # noqa: E402
-from verl_lrstab.glue.signals import global_length_stats  # noqa: E402
+from verl_lrstab.glue.signals import measure_batch  # noqa: E402
 
 
 def global_mean_response_length(data) -> float:
-    total, count = global_length_stats(data)
+    total, count = measure_batch(data).length
     return total / count
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.schedule import UpdateFigures
 
 PROMPT_W, RESP_W = 4, 5
 PROMPT_LENS = [3, 4, 2]
@@ -165,19 +166,18 @@ def _pass(calculate_entropy: bool, compute_loss: bool = False):
 def test_the_old_log_prob_pass_feeds_the_detector_at_the_steps_last_update():
     from verl.utils import tensordict_utils as tu
 
-    from verl_lrstab.glue import signals
-    from verl_lrstab.glue.steps import state_of
+    from verl_lrstab.glue.steps import finish_update, state_of
 
     sched = _scheduler()
     output = verl_output(engine_entropy())
     w = _wrapped_worker(sched, output)
     assert w.infer_batch(_pass(calculate_entropy=True)) is output and w.calls == 1  # verl's output, untouched
     assert state_of(sched).entropy == pytest.approx(EXPECTED)
-    sched.pending_response_length = 300.0
+    sched.observe_update(UpdateFigures(response_length=300.0))
     sched.step()
     # the update's own entropy (bypass / calculate_entropy) gives way to the old-log-prob pass's, verl's actor/entropy
     update = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"actor/entropy_loss": [7.0]}})
-    out = signals.feed_update_figures(sched, update, last=True)
+    out = finish_update(sched, state_of(sched), update, True, {})
     assert sched.schedule.detector._co["entropy"] == [[1, pytest.approx(EXPECTED)]]
     assert tu.get(out, "metrics")["lrstab/entropy"] == [pytest.approx(EXPECTED)]
     assert state_of(sched).entropy is None  # used once: a later step without the pass feeds no stale value
@@ -186,13 +186,13 @@ def test_the_old_log_prob_pass_feeds_the_detector_at_the_steps_last_update():
 def test_without_an_old_log_prob_pass_the_updates_own_entropy_is_fed():
     from verl.utils import tensordict_utils as tu
 
-    from verl_lrstab.glue import signals
+    from verl_lrstab.glue.steps import finish_update, state_of
 
     sched = _scheduler()
-    sched.pending_response_length = 300.0
+    sched.observe_update(UpdateFigures(response_length=300.0))
     sched.step()
     update = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"actor/entropy_loss": [0.8, 1.0]}})
-    signals.feed_update_figures(sched, update, last=True)
+    finish_update(sched, state_of(sched), update, True, {})
     assert sched.schedule.detector._co["entropy"] == [[1, pytest.approx(0.9)]]
 
 

@@ -12,8 +12,8 @@ from verl.workers.utils.padding import left_right_2_no_padding
 
 from verl_lrstab import mismatch
 from verl_lrstab.glue import driver
-from verl_lrstab.glue.signals import global_length_stats, global_mismatch_stats, response_lengths
-from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, with_metrics
+from verl_lrstab.glue.signals import BatchStats, measure_batch, response_lengths
+from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, finish_update, state_of
 
 PROMPT, RESP = 6, 8
 RESPONSE_LENS = [8, 3, 0, 5]  # one empty (aborted) response
@@ -59,7 +59,7 @@ def v1_worker_batch():
 
 def global_mean_response_length(data, dp_group=None):
     """The step's mean length as the worker feeds it: ``sum / count`` of the global stats."""
-    stats = global_length_stats(data, dp_group)
+    stats = measure_batch(data, dp_group).length
     assert stats is not None, "the length was not measurable"
     total, count = stats
     return total / count
@@ -67,7 +67,7 @@ def global_mean_response_length(data, dp_group=None):
 
 def global_mismatch_metrics(data, dp_group=None, pre_rejection_stats=None):
     """The ``mismatch/*`` figures as the worker logs them."""
-    return mismatch.finalize(global_mismatch_stats(data, dp_group, pre_rejection_stats))
+    return mismatch.finalize(measure_batch(data, dp_group, pre_rejection_stats=pre_rejection_stats).mismatch)
 
 
 def verl_logged_mean():
@@ -90,14 +90,14 @@ def test_v1_layout_uses_jagged_response_lengths():
 
 def test_unmeasurable_batch_gives_none_not_a_crash(caplog):
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
-    assert global_length_stats(tu.get_tensordict({"foo": torch.zeros(2, 3)})) is None
+    assert measure_batch(tu.get_tensordict({"foo": torch.zeros(2, 3)})).length is None
     assert "could not measure" in caplog.text
 
 
 def test_empty_batch_gives_zero_counts_not_unmeasurable():
     data = tu.get_tensordict({"attention_mask": torch.zeros(0, PROMPT + RESP, dtype=torch.int64),
                               "response_mask": torch.zeros(0, RESP, dtype=torch.int64)})
-    assert global_length_stats(data) == [0.0, 0.0]
+    assert measure_batch(data).length == [0.0, 0.0]
 
 
 def test_mismatch_on_v0_and_v1_layouts_equals_padded_reference():
@@ -119,10 +119,15 @@ def test_missing_rollout_log_probs_logs_nothing_and_names_the_key(caplog, monkey
 
 
 def test_metrics_are_added_to_verl_output():
+    from verl_lrstab.scheduler import LengthSurgeLR
+
+    sched = LengthSurgeLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-6), {"detector": "ratio"})
     output = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"lr": [1e-6], "loss": [0.5]}})
-    merged = tu.get(with_metrics(output, {"lrstab/surge_step": -1, "mismatch/k3": 1e-4}), "metrics")
-    assert merged == {"lr": [1e-6], "loss": [0.5], "lrstab/surge_step": [-1], "mismatch/k3": [1e-4]}
-    assert with_metrics(None, {"x": 1}) is None
+    merged = tu.get(finish_update(sched, state_of(sched), output, True, {"mismatch/k3": 1e-4}), "metrics")
+    assert merged == {"lr": [1e-6], "loss": [0.5], "mismatch/k3": [1e-4],
+                      **{key: [value] for key, value in sched.metrics().items()}}
+    assert merged["lrstab/surge_step"] == [-1]
+    assert finish_update(sched, state_of(sched), None, True, {"x": 1}) is None  # ranks that do not report
 
 
 def test_v1_synthetic_padding_samples_are_left_out_like_verls_metrics():
@@ -166,7 +171,7 @@ def test_v0_batch_without_attention_mask_is_not_measured_from_response_mask(capl
     # response_mask alone leaves out tool tokens (multi-turn): refuse to guess, loudly
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
     data = tu.get_tensordict({"response_mask": torch.ones(2, 4, dtype=torch.int64)})
-    assert global_length_stats(data) is None
+    assert measure_batch(data).length is None
     assert "tool tokens" in caplog.text and "attention_mask" in caplog.text
 
 
@@ -295,7 +300,7 @@ def test_clip_ratio_against_the_cap_equals_verls_figure_on_a_batch_padded_to_the
     assert expected == pytest.approx(0.25 if cap == RESP else 0.0)
     v0 = left_right_2_no_padding(DataProto.from_dict(tensors=padded_to(cap)).to_tensordict())
     for data in (v0, v1_worker_batch()):
-        total, count, at_cap = global_length_stats(data, cap=cap)
+        total, count, at_cap = measure_batch(data, cap=cap).length
         assert at_cap / count == pytest.approx(expected)
         assert total / count == pytest.approx(sum(RESPONSE_LENS) / len(RESPONSE_LENS))
 
@@ -304,22 +309,21 @@ def test_clip_ratio_is_against_the_cap_not_the_batch_width():
     # the same batch, padded to its widest response (8) as V0 pads it: verl's figure says 1/4
     # responses are clipped, but with a cap of 16 none is: the glue feeds 0
     assert verl_clip_ratio(RESP) == pytest.approx(0.25)
-    assert global_length_stats(v0_worker_batch(), cap=16)[2] == 0.0
+    assert measure_batch(v0_worker_batch(), cap=16).length[2] == 0.0
 
 
 def test_the_step_feeds_the_clip_ratio_over_its_updates():
-    from verl_lrstab.glue.steps import StepAccumulator
+    from verl_lrstab.glue.steps import StepState
 
-    acc = StepAccumulator()
-    acc.add_length([30.0, 4.0, 1.0])
-    acc.add_length([10.0, 4.0, 2.0])
-    assert acc.clip_ratio() == pytest.approx(3 / 8)
-    acc.reset()
-    acc.add_length([30.0, 4.0])  # no cap known: no clip ratio, never a made-up 0
-    assert acc.clip_ratio() is None
-    acc.reset()
-    acc.add_length(None)
-    assert acc.clip_ratio() is None
+    def clip_ratio(*lengths):
+        state = StepState()
+        for length in lengths:
+            state.add_batch(BatchStats(length, [0.0, 0.0], None))
+        return state.figures("k3", False)[0].clip_ratio
+
+    assert clip_ratio([30.0, 4.0, 1.0], [10.0, 4.0, 2.0]) == pytest.approx(3 / 8)
+    assert clip_ratio([30.0, 4.0]) is None  # no cap known: no clip ratio, never a made-up 0
+    assert clip_ratio(None) is None
 
 
 @pytest.mark.parametrize("tag,expected", [([0, 1, 0], (0, 1, False, 0)), ([1, 2, 1, 256], (1, 2, True, 256))])

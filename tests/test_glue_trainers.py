@@ -184,7 +184,7 @@ def test_a_trainer_whose_checks_never_ran_is_refused_at_its_first_update_naming_
 
 # -- a scheduler never fed: an overridden step() that does not advance local_trigger_step -------------
 def test_a_scheduler_not_fed_for_a_trainer_steps_worth_of_updates_fails_naming_the_cause():
-    from test_glue_v2 import Worker, run_update, v0_batch
+    from test_glue_guarantees import Worker, run_update, v0_batch
 
     sent = []
     update_actor = driver.make_v1_update_actor(lambda self, batch, metrics: sent.append(
@@ -214,7 +214,7 @@ def test_a_scheduler_not_fed_for_a_trainer_steps_worth_of_updates_fails_naming_t
 
 
 def test_a_scheduler_verls_engine_never_steps_fails_the_run():
-    from test_glue_v2 import Worker, v0_batch
+    from test_glue_guarantees import Worker, v0_batch
 
     from verl_lrstab.glue import worker as worker_glue
     from verl_lrstab.glue.steps import MAX_UNSTEPPED_STEPS

@@ -19,6 +19,7 @@ from megatron.core.optimizer.optimizer import ChainedOptimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 from verl_lrstab.megatron import LengthSurgeParamScheduler  # noqa: E402
+from verl_lrstab.schedule import UpdateFigures  # noqa: E402
 from verl_lrstab.scheduler import LengthSurgeLR  # noqa: E402
 
 LR, DECOUPLED_LR, WD = 1e-6, 2e-6, 0.1
@@ -138,21 +139,21 @@ def test_weight_decay_follows_wd_mult_through_real_adamw_steps():
     assert float(b[0]) == 1.0  # wd_mult 0: never decayed
 
 
-def test_pending_length_is_consumed_by_verls_bare_step():
+def test_a_handed_length_is_consumed_by_verls_bare_step():
     opt, sched, _ = make({"skip_first_steps": 0})
-    sched.pending_response_length = 321.0
+    sched.observe_update(UpdateFigures(response_length=321.0))
     sched.step(1)  # what verl's MegatronEngine.lr_scheduler_step calls
-    assert sched.metrics()["lrstab/response_length"] == 321.0 and sched.pending_response_length is None
+    assert sched.metrics()["lrstab/response_length"] == 321.0 and not sched.figures_waiting
     sched.step(1)  # no value this step: skipped, not reused
     assert "lrstab/response_length" not in sched.metrics() and sched.metrics()["lrstab/skipped_steps"] == 1
 
 
-def test_pending_score_reaches_the_cusum_detector_once():
+def test_a_handed_score_reaches_the_cusum_detector_once():
     opt, sched, _ = make({"skip_first_steps": 0})
-    sched.pending_response_length, sched.pending_score = 300.0, 0.75  # the glue's co-signal (critic/score/mean)
+    sched.observe_update(UpdateFigures(response_length=300.0, score=0.75))  # the glue's co-signal (critic/score/mean)
     sched.step(1)
-    assert sched.metrics()["lrstab/score"] == 0.75 and sched.pending_score is None
-    sched.pending_response_length = 300.0
+    assert sched.metrics()["lrstab/score"] == 0.75 and not sched.figures_waiting
+    sched.observe_update(UpdateFigures(response_length=300.0))
     sched.step(1)  # no score this update: unavailable, not reused
     assert "lrstab/score" not in sched.metrics()  # NaN figures are not logged
 
@@ -210,7 +211,7 @@ def test_resume_from_a_stock_checkpoint_warns_and_keeps_length_surge(caplog):
 
 
 def test_a_changed_option_is_named_as_on_fsdp(caplog):
-    # one behaviour on both engines (FedSchedule._restore_schedule; FSDP: tests/test_glue_v2.py)
+    # one behaviour on both engines (FedSchedule._restore_schedule; FSDP: tests/test_glue_guarantees.py)
     opt, sched, _ = make({**FAST, "period_factor": 1.8})
     drive(sched, opt, [100.0] * 3)
     opt2, resumed, _ = make({**FAST, "period_factor": 1.2})

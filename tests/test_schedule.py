@@ -275,20 +275,22 @@ def test_replay_feeds_the_cosignals():
         replay(range(1, 121), lengths, score=rising[:-1])
 
 
-def test_scheduler_passes_pending_cosignals_once():
-    # The glue sets LengthSurgeLR.pending_score / pending_clip_ratio before verl's bare step().
+def test_scheduler_passes_the_handed_cosignals_once():
+    # The glue hands the score and the clip ratio through observe_update before verl's bare step().
     import torch
 
+    from verl_lrstab.schedule import UpdateFigures
     from verl_lrstab.scheduler import LengthSurgeLR
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = LengthSurgeLR(opt, {"skip_first_steps": 0})
-    sched.pending_response_length, sched.pending_score, sched.pending_clip_ratio = 500.0, 0.75, 0.125
+    sched.observe_update(UpdateFigures(response_length=500.0, score=0.75, clip_ratio=0.125))
+    assert sched.figures_waiting
     opt.step()
     sched.step()
     m = sched.metrics()
     assert m["lrstab/score"] == 0.75 and m["lrstab/clip_ratio"] == 0.125
-    assert sched.pending_score is None and sched.pending_clip_ratio is None
+    assert not sched.figures_waiting
     opt.step()
     sched.step()  # not set again: unavailable, not reused
     assert "lrstab/score" not in sched.metrics() and sched.schedule.detector._score == [[1, 0.75]]

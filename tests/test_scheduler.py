@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from verl_lrstab.schedule import UpdateFigures
 from verl_lrstab.scheduler import LengthSurgeLR
 
 
@@ -57,12 +58,12 @@ def test_warmup_then_constant_like_verl():
     assert drive(sched, opt, [100.0] * 6) == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
 
 
-def test_pending_length_is_consumed_by_a_bare_step():
+def test_a_handed_length_is_consumed_by_a_bare_step():
     opt, sched = make(config={"skip_first_steps": 0})
-    sched.pending_response_length = 321.0
+    sched.observe_update(UpdateFigures(response_length=321.0))
     opt.step()
     sched.step()  # what verl's engine calls
-    assert sched.metrics()["lrstab/response_length"] == 321.0 and sched.pending_response_length is None
+    assert sched.metrics()["lrstab/response_length"] == 321.0 and not sched.figures_waiting
     opt.step()
     sched.step()  # no value this step: skipped, not reused
     assert "lrstab/response_length" not in sched.metrics()

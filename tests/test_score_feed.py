@@ -7,8 +7,8 @@ from verl.trainer.ppo.metric_utils import compute_data_metrics
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
-from verl_lrstab.glue.signals import global_score_stats, sequence_scores
-from verl_lrstab.glue.steps import StepAccumulator
+from verl_lrstab.glue.signals import BatchStats, measure_batch, sequence_scores
+from verl_lrstab.glue.steps import StepState
 from test_glue import RESPONSE_LENS, padded_batch
 
 SCORES = [1.0, 0.0, 0.5, 1.0]  # one per sample, on its last response token (as verl's reward managers put it)
@@ -28,7 +28,7 @@ def test_v0_score_equals_verls_critic_score_mean():
     proto = DataProto.from_dict(tensors=padded)
     verl_mean = compute_data_metrics(proto, use_critic=False)["critic/score/mean"]
     worker_batch = left_right_2_no_padding(DataProto.from_dict(tensors=padded).to_tensordict())
-    total, count = global_score_stats(worker_batch)
+    total, count = measure_batch(worker_batch).score
     assert count == 3  # the aborted (empty) response is left out, as verl leaves it out
     assert total / count == pytest.approx(float(verl_mean)) == pytest.approx((1.0 + 0.0 + 1.0) / 3)
 
@@ -52,27 +52,29 @@ def test_v1_jagged_rm_scores_sum_per_sample_and_leave_out_padding_samples():
     # the aborted (empty) response has no token to hold a score, and verl's critic/score/* leave it out
     assert sequence_scores(data).tolist() == pytest.approx([s if n > 0 else 0.0 for s, n in zip(SCORES, RESPONSE_LENS)])
     expected = [s for s, n in zip(SCORES, RESPONSE_LENS) if n > 0]
-    total, count = global_score_stats(data)
+    total, count = measure_batch(data).score
     assert (total, count) == (pytest.approx(sum(expected)), len(expected))
 
 
 def test_batch_without_scores_gives_none_and_the_step_runs_on_the_length(caplog):
     data = left_right_2_no_padding(DataProto.from_dict(tensors=padded_batch()).to_tensordict())
-    stats = global_score_stats(data)
+    stats = measure_batch(data).score
     assert stats is None
-    acc = StepAccumulator()
-    acc.add_score(stats)
-    assert acc.score_mean() is None
+    state = StepState()
+    state.add_batch(BatchStats([10.0, 2.0], stats, None))
+    assert state.figures("k3", False)[0].score is None
 
 
-def test_step_accumulator_averages_the_score_over_a_trainer_steps_updates():
-    acc = StepAccumulator()
-    acc.add_score([3.0, 4.0])
-    acc.add_score([1.0, 4.0])
-    assert acc.score_mean() == pytest.approx(0.5)
-    acc.add_score(None)  # one update without a score: no score for the step
-    assert acc.score_mean() is None
-    acc.reset()
-    assert acc.score_mean() is None
-    acc.add_score([2.0, 4.0])  # the next trainer step has its score again
-    assert acc.score_mean() == pytest.approx(0.5)
+def test_the_step_state_averages_the_score_over_a_trainer_steps_updates():
+    state = StepState()
+    score = lambda: state.figures("k3", False)[0].score  # noqa: E731
+    add = lambda s: state.add_batch(BatchStats([10.0, 4.0], s, None))  # noqa: E731
+    add([3.0, 4.0])
+    add([1.0, 4.0])
+    assert score() == pytest.approx(0.5)
+    add(None)  # one update without a score: no score for the step
+    assert score() is None
+    state.reset_batch()
+    assert score() is None
+    add([2.0, 4.0])  # the next trainer step has its score again
+    assert score() == pytest.approx(0.5)

@@ -37,7 +37,7 @@ def test_options_with_plus_on_stock_config():
     ).optim
     assert optim.length_surge.period_factor == 1.2 and optim.length_surge.origin == "surge"
     assert optim.length_surge.gamma == 0.7
-    # a fixed decay_period (period_factor is then never read: refused, tests/test_glue_v2.py)
+    # a fixed decay_period (period_factor is then never read: refused, tests/test_glue_guarantees.py)
     assert actor_config(f"{OPTIM}.lr_scheduler_type=length_surge",
                         f"+{OPTIM}.length_surge.decay_period=50").optim.length_surge.decay_period == 50
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Optional, Sequence
 
-from verl_lrstab.detector import finite_float
+from verl_lrstab._numbers import finite_float
 from verl_lrstab.mismatch import TAIL_EDGES, TAIL_LABELS
 
 FIGURES = ("k1", "k3", "seq_k3", "max_abs_diff", "frac_over_thr")

@@ -28,12 +28,13 @@ from typing import Optional, Sequence
 
 from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, CandidateReport, calibrated_budget, judge, plot_tails,
                                report_json, report_table)
+from verl_lrstab.config import OPTIM_KEY
 from verl_lrstab.config_checks import check_rollout_config
 from verl_lrstab.guard.supervisor import (compose_config, raise_on_signal, split_command, start_supervised,
                                           stop_group)
 from verl_lrstab.runs import read_metrics
 
-OPTIM = "actor_rollout_ref.actor.optim"
+OPTIM = OPTIM_KEY
 NO_UPDATE = [
     f"{OPTIM}.lr=0.0",  # AdamW's step and its decoupled weight decay both scale with the LR: no parameter moves
     f"{OPTIM}.lr_warmup_steps=0",

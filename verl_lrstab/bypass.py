@@ -24,10 +24,13 @@ from typing import Callable, Optional
 import torch
 
 from verl_lrstab import mismatch
+from verl_lrstab.collective import all_reduce_or_none
 
 logger = logging.getLogger("verl_lrstab")
 
 __all__ = ["BYPASS_KEY", "FirstMiniBatchCapture", "capture_first_mini_batch", "is_bypass"]
+
+_N_TOKENS = mismatch.STAT_FIELDS.index("n_tokens")  # (the last field is max_abs)
 
 #: Extra key logged (value 1.0) when the figures come from the first mini-batch's forward.
 BYPASS_KEY = "mismatch/bypass_mode"
@@ -50,7 +53,8 @@ def is_bypass(figures) -> bool:
     Every rank holds the same global figures, so every rank takes the same branch.
     """
     if isinstance(figures, torch.Tensor):
-        figures = mismatch.finalize(figures)
+        n_tokens, max_abs = figures[_N_TOKENS].item(), figures[-1].item()
+        return math.isfinite(n_tokens) and n_tokens > 0 and max_abs == 0.0
     return bool(figures) and figures["mismatch/n_tokens"] > 0 and figures["mismatch/max_abs_diff"] == 0.0
 
 
@@ -77,20 +81,19 @@ def capture_first_mini_batch(owner, n_sequences: int, view: View, optimizer=None
     capture = FirstMiniBatchCapture(n_sequences)
     loss_fn = getattr(owner, loss_attr)
     handle = None
+    reduce_at_step = capture.optimizer_pre_hook(group, on_reduced)
     setattr(owner, loss_attr, capture.wrap_loss(loss_fn, view))
     try:
         if hasattr(optimizer, "register_step_pre_hook"):
-            handle = optimizer.register_step_pre_hook(capture.optimizer_pre_hook(group, on_reduced))
+            handle = optimizer.register_step_pre_hook(reduce_at_step)
         yield capture
     finally:
         setattr(owner, loss_attr, loss_fn)
         if handle is not None:
             handle.remove()
-    if not capture.reduced:
+    if not capture.reduced:  # no optimizer step was seen: reduce now, late (the scheduler already stepped)
         mismatch.warn_once("bypass_late")
-        capture.reduce(group)
-        if on_reduced is not None:
-            on_reduced(capture.metrics())
+        reduce_at_step(optimizer, (), {})
 
 
 class FirstMiniBatchCapture:
@@ -102,7 +105,7 @@ class FirstMiniBatchCapture:
         threshold: as :func:`verl_lrstab.mismatch.compute_stats`.
 
     A failure inside :meth:`observe` never reaches the loss: the rank then joins :meth:`reduce`
-    as a rank that could not measure (:func:`verl_lrstab.mismatch.all_reduce_or_none`), so every
+    as a rank that could not measure (:func:`verl_lrstab.collective.all_reduce_or_none`), so every
     rank ends with no figures (None) rather than a partial one.
     """
 
@@ -115,6 +118,7 @@ class FirstMiniBatchCapture:
         self.stats: Optional[torch.Tensor] = None  # local sums (mismatch.STAT_FIELDS)
         self.failed: Optional[BaseException] = None
         self.global_stats: Optional[torch.Tensor] = None  # after reduce()
+        self._figures: Optional[dict] = None  # mismatch/* of global_stats, after reduce()
         self.reduced = False
 
     @property
@@ -151,22 +155,27 @@ class FirstMiniBatchCapture:
             return self.global_stats
         n = len(mismatch.STAT_FIELDS)
         if self.failed is not None:
-            local = None  # every rank then gets None (mismatch.all_reduce_or_none)
+            local = None  # every rank then gets None (collective.all_reduce_or_none)
         elif self.stats is None:
             local = torch.zeros(n, dtype=torch.float64)
         else:
             local = self.stats.detach().to(torch.float64).cpu()
-        self.global_stats = mismatch.all_reduce_or_none(local, n, n_max=1, group=group)
+        self.global_stats = all_reduce_or_none(local, n, n_max=1, group=group)
         self.reduced = True
+        self._figures = mismatch.finalize(self.global_stats)
+        if self._figures is not None:
+            self._figures[BYPASS_KEY] = 1.0
         return self.global_stats
 
     def metrics(self) -> Optional[dict]:
         """The global ``mismatch/*`` figures plus ``mismatch/bypass_mode: 1.0``; None if nothing was measured."""
-        figures = mismatch.finalize(self.global_stats) if self.reduced else None
-        if figures is None:
-            return None
-        figures[BYPASS_KEY] = 1.0
-        return figures
+        return None if self._figures is None else dict(self._figures)
+
+    def reduce_and_report(self, group=None, on_reduced: Optional[Callable[[Optional[dict]], None]] = None) -> None:
+        """:meth:`reduce`, then ``on_reduced(figures)`` (:meth:`metrics`) if given."""
+        self.reduce(group)
+        if on_reduced is not None:
+            on_reduced(None if self._figures is None else dict(self._figures))
 
     # -- the two places it plugs into ------------------------------------------------------------
     def wrap_loss(self, loss_fn: Callable, view: View) -> Callable:
@@ -200,11 +209,8 @@ class FirstMiniBatchCapture:
         """
 
         def hook(optimizer, args, kwargs):
-            if self.reduced:
-                return None
-            self.reduce(group)
-            if on_reduced is not None:
-                on_reduced(self.metrics())
+            if not self.reduced:
+                self.reduce_and_report(group, on_reduced)
             return None
 
         return hook

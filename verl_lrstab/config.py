@@ -23,8 +23,9 @@ RATIO_ONLY = ("fast_window", "horizon", "baseline_window", "ratio_threshold")
 # Non-negative mismatch figures a budget makes sense for (k1 can be negative).
 MISMATCH_METRICS = ("k3", "seq_k3", "max_abs_diff", "frac_over_thr")
 
-# The keys a user may set under ``length_surge``; used to word errors.
-_KEY_PREFIX = "actor_rollout_ref.actor.optim.length_surge"
+#: The actor's optimizer config in a verl config, and our options under it (the keys errors name).
+OPTIM_KEY = "actor_rollout_ref.actor.optim"
+OPTIONS_KEY = f"{OPTIM_KEY}.length_surge"
 # Hydra's own keys of a config node (instantiate's); any other key starting with "_" is unknown.
 HYDRA_KEYS = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
 # The longest decay period taken, in optimizer updates (10 million: no RL run comes near it; a
@@ -230,11 +231,11 @@ class LengthSurgeConfig:
         if isinstance(options, cls):
             return options
         if not isinstance(options, Mapping):
-            raise ValueError(f"{_KEY_PREFIX} must be a mapping of options, got {type(options).__name__}")
+            raise ValueError(f"{OPTIONS_KEY} must be a mapping of options, got {type(options).__name__}")
         known = [f.name for f in fields(cls)]
         unknown = sorted((k for k in options if k not in known and k not in HYDRA_KEYS), key=str)
         if unknown:
-            raise ValueError(f"unknown key(s) {[f'{_KEY_PREFIX}.{k}' for k in unknown]}; allowed keys: {known}")
+            raise ValueError(f"unknown key(s) {[f'{OPTIONS_KEY}.{k}' for k in unknown]}; allowed keys: {known}")
         return cls(**{k: v for k, v in options.items() if k in known})._with_given(k for k in options if k in known)
 
     def to_dict(self) -> dict:
@@ -280,4 +281,4 @@ def _int(value) -> bool:
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{_KEY_PREFIX}.{key}={value!r} is invalid: allowed values are {allowed}")
+        raise ValueError(f"{OPTIONS_KEY}.{key}={value!r} is invalid: allowed values are {allowed}")

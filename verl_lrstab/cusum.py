@@ -52,7 +52,7 @@ import math
 from statistics import median
 from typing import Optional
 
-from verl_lrstab.detector import finite_float
+from verl_lrstab._numbers import finite_float
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -191,6 +191,20 @@ class CusumDetector:
     @property
     def armed_step(self) -> Optional[int]:
         return None if self._armed is None else self._armed["step"]
+
+    #: The fed figures this detector reads (the schedule logs the ones it is fed).
+    reads = ("response_length", "score", "mismatch_kl", "clip_ratio", *COSIGNALS)
+
+    def metrics(self) -> dict:
+        """The detector's own figures (``{name: value}``): the CUSUM and the armed step always, the
+        others when finite."""
+        out = {"cusum": self.cusum, "armed_step": -1 if self.armed_step is None else self.armed_step}
+        for key, value in (("baseline", self.baseline), ("ratio", self.ratio), ("level", self.level),
+                           ("noise", self.noise), ("score_z", self.score_z_now), ("kl_ratio", self.kl_ratio),
+                           ("clip_delta", self.clip_delta)):
+            if math.isfinite(value):
+                out[key] = value
+        return out
 
     # -- the update ----------------------------------------------------------------------------
     def observe(self, step: int, **cosignals: Optional[float]) -> None:

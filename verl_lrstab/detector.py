@@ -17,6 +17,8 @@ import math
 from statistics import median
 from typing import Optional
 
+from verl_lrstab._numbers import finite_float
+
 logger = logging.getLogger("verl_lrstab")
 
 _NAN = float("nan")
@@ -86,17 +88,22 @@ class SurgeDetector:
         self.num_skipped = 0
         self.last_step: Optional[int] = None
 
-    # -- public API -------------------------------------------------------------------------
+    #: The fed figures this detector reads (the schedule logs the ones it is fed): the length alone.
+    reads = ("response_length",)
+
+    # -- public API (the one :class:`verl_lrstab.cusum.CusumDetector` has too) -----------------
     @property
     def surge_step(self) -> Optional[int]:
         """The step of the first surge, or None."""
         return self.surge_steps[0] if self.surge_steps else None
 
-    def update(self, step: int, value: Optional[float]) -> bool:
+    def update(self, step: int, value: Optional[float], score: Optional[float] = None, kl: Optional[float] = None,
+               clip_ratio: Optional[float] = None, **cosignals: Optional[float]) -> bool:
         """Feed the value logged for ``step``; return True if a surge is reported at this step.
 
         NaN, inf, non-positive and missing values (an empty or failed batch) are skipped with a
-        warning: they never raise and never count towards a surge.
+        warning: they never raise and never count towards a surge. ``score``, ``kl``,
+        ``clip_ratio`` and ``cosignals`` are accepted and not read: the length alone decides.
         """
         self.last_step = step
         number = finite_float(value)
@@ -140,6 +147,14 @@ class SurgeDetector:
             return True
         return False
 
+    def observe(self, step: int, **cosignals: Optional[float]) -> None:
+        """Co-signals of step ``step`` (verl's own figures of the update): accepted, not read."""
+
+    def metrics(self) -> dict:
+        """The detector's own figures (``{name: value}``), the non-finite ones left out."""
+        return {k: v for k, v in (("baseline", self.baseline), ("ratio", self.ratio), ("level", self.level))
+                if math.isfinite(v)}
+
     def state_dict(self) -> dict:
         """The full state as plain Python types (safe for ``torch.load(weights_only=True)``)."""
         return {
@@ -172,14 +187,3 @@ class SurgeDetector:
         self._first_values: list[float] = []
         self._streak_start: Optional[int] = None
 
-
-def finite_float(value) -> Optional[float]:
-    """``float(value)`` if it is a finite number (bools, text such as ``"1200"`` and other non-numbers
-    are not), else None."""
-    if value is None or isinstance(value, (bool, str, bytes)):
-        return None
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None

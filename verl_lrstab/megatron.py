@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Union
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from verl_lrstab.config import SCHEDULER_NAME, LengthSurgeConfig
+from verl_lrstab.config import OPTIM_KEY, SCHEDULER_NAME, LengthSurgeConfig
 from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule
 from verl_lrstab.state_checks import check_megatron_scheduler_state
 
@@ -44,9 +44,9 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
         override_opt_param_scheduler: as for ``OptimizerParamScheduler`` (``lr_decay_style``
             is ``"length_surge"``; ``lr_decay_steps`` is only checked, as the stock class does).
 
-    One ``step(increment)`` with ``increment > 0`` is one actor update: it consumes
-    :attr:`pending_response_length` / :attr:`pending_mismatch_kl` (set by the verl glue), or
-    the explicit ``response_length`` / ``mismatch_kl``. ``step(0)`` (the constructor's) and the
+    One ``step(increment)`` with ``increment > 0`` is one actor update: it consumes the figures
+    handed by :meth:`observe_update` (the verl glue's), the explicit ``response_length`` /
+    ``mismatch_kl`` winning. ``step(0)`` (the constructor's) and the
     replay inside ``load_state_dict`` only set the LR: they never feed the detector.
     """
 
@@ -68,7 +68,6 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
         override_opt_param_scheduler: Optional[bool] = False,
     ) -> None:
         self.schedule = LengthSurgeSchedule(config)
-        self._reset_pending()
         self._replaying = False
         super().__init__(
             optimizer,
@@ -92,7 +91,7 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
         if self._held:
             return
         if increment > 0 and not self._replaying:
-            self._observe_pending(self.num_steps + increment, response_length, mismatch_kl)
+            self._observe_waiting(self.num_steps + increment, response_length, mismatch_kl)
         super().step(increment)
 
     def constant_lr(self, max_lr: float) -> float:
@@ -153,7 +152,7 @@ def build_length_surge_param_scheduler(optimizer, optim_config, verbose: bool = 
     """
     get = optim_config.get if hasattr(optim_config, "get") else lambda k, d=None: getattr(optim_config, k, d)
     if not get("use_checkpoint_opt_param_scheduler", False):
-        raise ValueError("actor_rollout_ref.actor.optim.use_checkpoint_opt_param_scheduler=False: length_surge on "
+        raise ValueError(f"{OPTIM_KEY}.use_checkpoint_opt_param_scheduler=False: length_surge on "
                          "Megatron needs it true, else a resumed run restarts its LR schedule and surge detector "
                          "at step 0 (verl loads the scheduler state only with it). Allowed values: true")
     lr_decay_steps = get("lr_decay_steps", None)

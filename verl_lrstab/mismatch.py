@@ -19,7 +19,8 @@ Per response token (inside the response mask), with
 
 Designed for data parallelism: :func:`compute_stats` turns one rank's batch into one small
 float64 tensor of sums and counts (plus the max), :func:`all_reduce_or_none` reduces it over the
-DP group (SUM, then MAX for the max; every rank calls it, a rank that cannot measure with None),
+DP group (SUM, and MAX for the max, in one collective: :mod:`verl_lrstab.collective`; every rank
+calls it, a rank that cannot measure with None),
 :func:`finalize` turns it into the dict above. All
 means are token- (or sequence-) weighted over the whole global batch.
 
@@ -37,6 +38,8 @@ import math
 from typing import Optional
 
 import torch
+
+from verl_lrstab.collective import all_reduce_or_none, collective_device
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -164,48 +167,6 @@ def compute_stats(
     parts = (sum_k1, sum_k3, n_tokens, n_seqs, n_over, n_mask - n_tokens)
     return torch.cat([torch.stack([p.to(torch.float64) for p in parts]), n_over_edges.to(torch.float64),
                       max_abs.to(torch.float64).reshape(1)])
-
-
-def collective_device(group=None) -> torch.device:
-    """The device a ``group`` collective reduces on: the accelerator for nccl/hccl, else the CPU (gloo)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return torch.device("cpu")
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())  # this rank's device, not device 0
-    if "hccl" in backend:
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")
-
-
-def all_reduce_or_none(local: Optional[torch.Tensor], size: int, n_max: int = 0, group=None) -> Optional[torch.Tensor]:
-    """The global value of a float64 ``[sums..., maxes...]`` vector, or None on every rank alike.
-
-    The one convention for a rank that cannot measure: it passes ``local=None``; an invalid
-    count travels with the sums, so if any rank could not measure, every rank gets None and
-    takes the same decision. Every rank of ``group`` must call it.
-
-    Args:
-        local: this rank's vector of ``size`` entries (the last ``n_max`` reduced with MAX), or None.
-        size: the vector's length (known without ``local``).
-        n_max: trailing entries reduced with MAX instead of SUM.
-        group: the data-parallel group; None is the default group.
-    """
-    values = torch.zeros(size, dtype=torch.float64) if local is None else local.detach().double().cpu()
-    n_sum = size - n_max
-    packed = torch.cat([values[:n_sum], torch.tensor([0.0 if local is not None else 1.0], dtype=torch.float64),
-                        values[n_sum:]])
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        packed = packed.to(collective_device(group))
-        dist.all_reduce(packed[:n_sum + 1], op=dist.ReduceOp.SUM, group=group)
-        if n_max:
-            dist.all_reduce(packed[n_sum + 1:], op=dist.ReduceOp.MAX, group=group)
-        packed = packed.cpu()
-    if packed[n_sum].item() > 0:
-        return None
-    return torch.cat([packed[:n_sum], packed[n_sum + 1:]])
 
 
 def finalize(stats: Optional[torch.Tensor], prefix: str = "mismatch/") -> Optional[dict]:

@@ -20,7 +20,7 @@ import math
 from statistics import median
 from typing import Optional
 
-from verl_lrstab.detector import finite_float
+from verl_lrstab._numbers import finite_float
 
 logger = logging.getLogger("verl_lrstab")
 

@@ -21,9 +21,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Union
 
-from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab._numbers import finite_float
+from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig
 from verl_lrstab.cusum import CusumDetector
-from verl_lrstab.detector import SurgeDetector, finite_float
+from verl_lrstab.detector import SurgeDetector
+
+#: The detectors by ``length_surge.detector`` (one interface: ``update``, ``observe``, ``metrics``, ``reads``).
+DETECTORS = {"cusum": CusumDetector, "ratio": SurgeDetector}
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -75,8 +79,7 @@ class LengthSurgeSchedule:
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
-        detector_cls = CusumDetector if self.config.detector == "cusum" else SurgeDetector
-        self.detector = detector_cls(**self.config.detector_kwargs())
+        self.detector = DETECTORS[self.config.detector](**self.config.detector_kwargs())
         self.mismatch_trigger = _make_mismatch_trigger(self.config)
         self.trigger_step: Optional[int] = None  # the update that started the decay
         self.trigger_source: Optional[str] = None  # "length" or "mismatch"
@@ -84,6 +87,7 @@ class LengthSurgeSchedule:
         self.mismatch_kl = math.nan
         self.score = math.nan
         self.clip_ratio = math.nan
+        self.cosignals: dict = {}  # the last update's own figures the detector read (logged with the step)
         self._force_decay()
 
     def _force_decay(self) -> None:
@@ -124,11 +128,8 @@ class LengthSurgeSchedule:
         self.mismatch_kl = _or_nan(finite_float(mismatch_kl))
         self.score = _or_nan(finite_float(score))
         self.clip_ratio = _or_nan(finite_float(clip_ratio))
-        if isinstance(self.detector, CusumDetector):
-            length_fired = self.detector.update(update, response_length, score=score, kl=mismatch_kl,
-                                                clip_ratio=clip_ratio)
-        else:
-            length_fired = self.detector.update(update, response_length)
+        self.cosignals = {}
+        length_fired = self.detector.update(update, response_length, score=score, kl=mismatch_kl, clip_ratio=clip_ratio)
         mismatch_fired = False
         if self.mismatch_trigger is not None and mismatch_kl is not None:
             mismatch_fired = self.mismatch_trigger.update(update, mismatch_kl)
@@ -145,6 +146,17 @@ class LengthSurgeSchedule:
         logger.warning("verl_lrstab: %s surge at update %d; decay period %s, origin %s", source, update,
                        self.decay_period, self.config.origin)
         return True
+
+    def observe_cosignals(self, cosignals: Mapping[str, float], update: Optional[int] = None) -> None:
+        """Feed an update's own figures (verl's ``grad_norm``, ``kl_loss``, ``pg_clipfrac``, entropy) after its
+        decision: the detector reads them from the next decision on. ``update`` defaults to the update last
+        observed; before any, nothing is fed. The ones the detector reads are logged with the update."""
+        self.cosignals = {}
+        update = self.detector.last_step if update is None else update
+        if update is None or not cosignals:
+            return
+        self.detector.observe(update, **cosignals)
+        self.cosignals = {name: value for name, value in cosignals.items() if name in self.detector.reads}
 
     def decay_scale(self, update: int) -> float:
         """The decay multiplier in force while update ``update`` runs."""
@@ -175,7 +187,7 @@ class LengthSurgeSchedule:
         kind = state.get("detector_kind", "ratio")  # states saved before the CUSUM detector hold the ratio one
         if kind != self.config.detector:
             raise ValueError(f"the checkpoint's length-surge state was written by detector {kind!r}, the config "
-                             f"says actor_rollout_ref.actor.optim.length_surge.detector={self.config.detector!r}: "
+                             f"says {OPTIONS_KEY}.detector={self.config.detector!r}: "
                              f"set detector: {kind} to resume this run")
         self.detector.load_state_dict(state["detector"])
         self.trigger_step = state["trigger_step"]
@@ -197,19 +209,16 @@ class LengthSurgeSchedule:
             "lrstab/lr_scale": self.scale(completed_updates),
             "lrstab/skipped_steps": self.detector.num_skipped,
         }
-        # the score is logged whichever detector runs: it is what the glue fed (verl's critic/score/mean)
-        figures = [("response_length", self.response_length), ("score", self.score), ("baseline", self.detector.baseline),
-                   ("ratio", self.detector.ratio), ("level", self.detector.level)]
-        if isinstance(self.detector, CusumDetector):
-            d = self.detector
-            out["lrstab/cusum"] = d.cusum
-            out["lrstab/armed_step"] = -1 if d.armed_step is None else d.armed_step
-            figures += [("noise", d.noise), ("score_z", d.score_z_now),
-                        ("mismatch_kl", self.mismatch_kl),
-                        ("kl_ratio", d.kl_ratio), ("clip_ratio", self.clip_ratio), ("clip_delta", d.clip_delta)]
-        for key, value in figures:
+        # the score is logged whichever detector runs: it is what the glue fed (verl's critic/score/mean);
+        # the mismatch KL and the clip ratio when the detector reads them
+        fed = [("response_length", self.response_length), ("score", self.score)]
+        fed += [(k, v) for k, v in (("mismatch_kl", self.mismatch_kl), ("clip_ratio", self.clip_ratio))
+                if k in self.detector.reads]
+        for key, value in fed:
             if math.isfinite(value):
                 out[f"lrstab/{key}"] = value
+        for key, value in {**self.detector.metrics(), **self.cosignals}.items():
+            out[f"lrstab/{key}"] = value
         if self.mismatch_trigger is not None and self.mismatch_trigger.budget is not None:
             out["lrstab/mismatch_budget"] = self.mismatch_trigger.budget
         if self.config.guard_rollbacks:
@@ -236,13 +245,73 @@ def _or_nan(value: Optional[float]) -> float:
 
 
 # -- the torch and megatron-core schedulers around it -----------------------------------------
+@dataclass(frozen=True)
+class UpdateFigures:
+    """The figures of one trainer step's actor update(s), as the scheduler is fed them (None: unavailable).
+
+    The batch's figures, measured before the update: ``response_length`` (verl's
+    ``response_length/mean``), ``mismatch_kl`` (the trigger's and cusum's mismatch figure),
+    ``score`` (``critic/score/mean``) and ``clip_ratio`` (the share of responses at the cap).
+    ``cosignals``: what the update itself logged (``grad_norm``, ``kl_loss``, ``pg_clipfrac``,
+    ``entropy``), which exists only after it.
+    """
+
+    response_length: Optional[float] = None
+    mismatch_kl: Optional[float] = None
+    score: Optional[float] = None
+    clip_ratio: Optional[float] = None
+    cosignals: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def has_batch_figures(self) -> bool:
+        return any(v is not None for v in (self.response_length, self.mismatch_kl, self.score, self.clip_ratio))
+
+
 class FedSchedule:
     """What the torch (``LengthSurgeLR``) and megatron-core schedulers share: a ``schedule``
-    (:class:`LengthSurgeSchedule`) fed through ``pending_*`` figures that the verl glue sets before
-    verl's engine steps the scheduler without arguments; explicit arguments win."""
+    (:class:`LengthSurgeSchedule`) fed through :meth:`observe_update` (the verl glue's one way in)
+    before verl's engine steps the scheduler without arguments; explicit ``step()`` arguments win."""
 
     schedule: LengthSurgeSchedule
     _held: bool = False
+    _waiting: Optional[UpdateFigures] = None  # handed by observe_update, consumed by the next step
+    _updates_per_step: int = 1
+    _warmup_in_updates: Optional[int] = None  # the warmup as configured (in actor updates)
+
+    def observe_update(self, figures: UpdateFigures) -> None:
+        """Hand the scheduler one trainer step's figures.
+
+        The batch's figures wait for the next ``step()``, which feeds them to the schedule once
+        (handed again before that step, they replace the waiting ones). The co-signals exist
+        only once the update ran, after its step: they are observed at once, under the update
+        last stepped (the detector reads them from its next decision on).
+        """
+        if figures.has_batch_figures:
+            self._waiting = figures
+        if figures.cosignals or not figures.has_batch_figures:
+            self.schedule.observe_cosignals(figures.cosignals)
+
+    @property
+    def figures_waiting(self) -> bool:
+        """Batch figures were handed and no step has consumed them yet."""
+        return self._waiting is not None
+
+    def set_updates_per_step(self, count: int) -> None:
+        """Run ``count`` actor updates per trainer step (verl's ``separate_async``), the LR held within a step.
+
+        verl resolves the warmup in actor updates (V1 multiplies its total by the updates per
+        step); the scheduler steps once per trainer step, so its warmup becomes
+        ``ceil(warmup / count)`` trainer steps.
+        """
+        if count > 1 and count != self._updates_per_step:
+            if self._warmup_in_updates is None:
+                self._warmup_in_updates = self.schedule.warmup_steps
+            self._updates_per_step = count
+            self.schedule.warmup_steps = -(-self._warmup_in_updates // count)
+
+    @property
+    def updates_per_step(self) -> int:
+        return self._updates_per_step
 
     @contextlib.contextmanager
     def holding(self):
@@ -254,21 +323,15 @@ class FedSchedule:
         finally:
             self._held = False
 
-    def _reset_pending(self) -> None:
-        self.pending_response_length: Optional[float] = None
-        self.pending_mismatch_kl: Optional[float] = None
-        self.pending_score: Optional[float] = None  # co-signals of detector: cusum (None: unavailable)
-        self.pending_clip_ratio: Optional[float] = None
-
-    def _observe_pending(self, update: int, response_length: Optional[float], mismatch_kl: Optional[float]) -> None:
-        """Feed update ``update`` to the schedule, consuming the pending figures (never reused)."""
+    def _observe_waiting(self, update: int, response_length: Optional[float], mismatch_kl: Optional[float]) -> None:
+        """Feed update ``update`` to the schedule, consuming the waiting figures (never reused)."""
+        waiting, self._waiting = self._waiting or UpdateFigures(), None
         if response_length is None:
-            response_length, self.pending_response_length = self.pending_response_length, None
+            response_length = waiting.response_length
         if mismatch_kl is None:
-            mismatch_kl, self.pending_mismatch_kl = self.pending_mismatch_kl, None
-        score, self.pending_score = self.pending_score, None
-        clip_ratio, self.pending_clip_ratio = self.pending_clip_ratio, None
-        self.schedule.observe(update, response_length, mismatch_kl, score=score, clip_ratio=clip_ratio)
+            mismatch_kl = waiting.mismatch_kl
+        self.schedule.observe(update, response_length, mismatch_kl, score=waiting.score,
+                              clip_ratio=waiting.clip_ratio)
 
     def _restore_schedule(self, own: Optional[dict], step) -> None:
         """Restore the schedule's state from a checkpoint (one behaviour for both engines).
@@ -289,7 +352,7 @@ class FedSchedule:
             logger.warning("verl_lrstab: the checkpoint at update %s was written with origin %r; this run's "
                            "default is origin %r. Keeping the checkpoint's origin %r so the running LR schedule "
                            "does not change; set %s.origin explicitly to switch", step, saved.get("origin", "start"),
-                           self.config.origin, saved.get("origin", "start"), _OPTIONS_KEY)
+                           self.config.origin, saved.get("origin", "start"), OPTIONS_KEY)
             self.schedule.config = _with_origin(self.config, saved.get("origin", "start"))
         configured = self.config.to_dict()
         changed = {k: (saved[k], v) for k, v in configured.items() if k in saved and saved[k] != v} if saved else {}
@@ -310,9 +373,6 @@ class FedSchedule:
     @property
     def decay_period(self) -> Optional[int]:
         return self.schedule.decay_period
-
-
-_OPTIONS_KEY = "actor_rollout_ref.actor.optim.length_surge"
 
 
 def _with_origin(config: LengthSurgeConfig, origin: str) -> LengthSurgeConfig:
@@ -363,15 +423,14 @@ def replay(steps: Iterable[int], values: Iterable[Optional[float]],
             raise ValueError(f"steps and {name} differ in length: {len(steps)} != {len(col)}")
         columns.append(col)
     schedule = LengthSurgeSchedule(config, warmup_steps=warmup_steps)
-    observe = getattr(schedule.detector, "observe", None) if cosignals else None
     result = ReplayResult(surge_step=None, decay_period=None)
     for step, value, kl, sc, clip, *extra in zip(steps, *columns):
         result.steps.append(step)
         # In force at `step`: decided before this step's own figures are seen.
         result.lr_scale.append(warmup_scale(step - 1, warmup_steps) * schedule.decay_scale(step))
         schedule.observe(step, value, kl, score=sc, clip_ratio=clip)
-        if observe is not None:
-            observe(step, **dict(zip(cosignals, extra)))
+        if cosignals:
+            schedule.detector.observe(step, **dict(zip(cosignals, extra)))
         result.baseline.append(schedule.detector.baseline)
         result.ratio.append(schedule.detector.ratio)
         result.cusum.append(getattr(schedule.detector, "cusum", math.nan))

@@ -28,8 +28,8 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         warmup_steps (int): linear warmup from 0, as verl's constant schedule. Default 0.
         last_epoch (int): the index of the last completed update; -1 (default) to start.
 
-    The verl glue sets :attr:`pending_response_length` (and :attr:`pending_mismatch_kl`)
-    before verl's engine calls ``step()`` without arguments; explicit arguments win.
+    The verl glue hands the figures through :meth:`observe_update` before verl's engine calls
+    ``step()`` without arguments; explicit arguments win.
 
     Example:
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -47,7 +47,6 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         last_epoch: int = -1,
     ):
         self.schedule = LengthSurgeSchedule(config, warmup_steps=warmup_steps)
-        self._reset_pending()
         # The LR the run was configured with, before a checkpoint may restore another one.
         self._configured_lrs = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)
@@ -63,7 +62,7 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         if self._held:
             return
         if not self._is_initial:
-            self._observe_pending(self.last_epoch + 1, response_length, mismatch_kl)
+            self._observe_waiting(self.last_epoch + 1, response_length, mismatch_kl)
         super().step()
 
     def get_lr(self) -> list[float]:

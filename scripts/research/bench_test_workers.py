@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = ["tests/test_engine.py", "tests/test_guard_supervisor.py", "tests/test_failsafe.py", "tests/test_admit_cli.py",
-           "tests/test_megatron_worker.py", "tests/test_glue_v2.py", "tests/test_verl_config.py"]
+           "tests/test_megatron_worker.py", "tests/test_glue_guarantees.py", "tests/test_verl_config.py"]
 
 
 def run(paths: list[str], workers: int) -> tuple[float, int]:

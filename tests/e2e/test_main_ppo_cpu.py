@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.glue.signals import UPDATE_FIGURES
 from verl_lrstab_cpu.launch import CONFIG_DIR
-from verl_lrstab.schedule import replay
+from verl_lrstab.schedule import UpdateFigures, replay
 from verl_lrstab.scheduler import LengthSurgeLR
 
 pytestmark = pytest.mark.e2e
@@ -210,13 +210,13 @@ def step_as_logged(scheduler: LengthSurgeLR, data: dict) -> None:
     """Step with the figures the trainer's scheduler consumed at that step (its logged metrics)."""
     metric = LengthSurgeConfig.from_dict(length_surge_options()).mismatch_metric
     kl = data.get("actor/lrstab/mismatch_kl", data.get(f"actor/mismatch/{metric}"))
-    scheduler.pending_score = data.get("actor/lrstab/score")  # the co-signals the glue fed (critic/score/mean,
-    scheduler.pending_clip_ratio = data.get("actor/lrstab/clip_ratio")  # the share at the cap)
+    # the co-signals the glue fed (critic/score/mean, the share at the cap)
+    scheduler.observe_update(UpdateFigures(score=data.get("actor/lrstab/score"),
+                                           clip_ratio=data.get("actor/lrstab/clip_ratio")))
     scheduler.step(data["actor/lrstab/response_length"], kl)
-    # detector v4's co-signals: the glue observes them under the step just taken, after its LR step
+    # what verl's update logged: the glue hands it after the update, observed under the step just taken
     cosignals = {name: data[f"actor/lrstab/{name}"] for name in UPDATE_FIGURES if f"actor/lrstab/{name}" in data}
-    if cosignals:
-        scheduler.schedule.detector.observe(scheduler.schedule.detector.last_step, **cosignals)
+    scheduler.observe_update(UpdateFigures(cosignals=cosignals))
 
 
 def same(a, b) -> bool:

@@ -14,6 +14,7 @@ from verl_lrstab.cli.common import (
     scheduler_config,
 )
 from verl_lrstab.cli.replay import KL_HELP, print_head, replay_run
+from verl_lrstab.config import OPTIM_KEY, OPTIONS_KEY
 from verl_lrstab.runs import RunError, load_run
 from verl_lrstab.schedule import decay_scale
 
@@ -44,8 +45,7 @@ def cmd_calibrate(args) -> int:
     print("actor_rollout_ref:\n  actor:\n    optim:\n      lr_scheduler_type: length_surge\n"
           f"      length_surge:\n        decay_period: {p}")
     print("\n# or as Hydra overrides of verl's ppo_trainer:")
-    print(f"actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge "
-          f"+actor_rollout_ref.actor.optim.length_surge.decay_period={p}")
+    print(f"{OPTIM_KEY}.lr_scheduler_type=length_surge +{OPTIONS_KEY}.decay_period={p}")
     return 0
 
 

@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import yaml
 
-from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig
 from verl_lrstab.runs import MissingMetricError, RunError, find_metric
 from verl_lrstab.schedule import ReplayResult
 
@@ -57,7 +57,7 @@ def _option_value(text: str):
 
 def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
-        "scheduler options", "as under actor_rollout_ref.actor.optim.length_surge; unset ones keep their defaults")
+        "scheduler options", f"as under {OPTIONS_KEY}; unset ones keep their defaults")
     docs = _field_docs()
     for f in fields(LengthSurgeConfig):
         typ, text = docs.get(f.name, ("", ""))

@@ -4,12 +4,14 @@
 - :mod:`.failsafe`: what a failure of the glue does (report loudly, refuse ``length_surge``).
 - :mod:`.wraps`: how one verl attribute is replaced, checked and dispatched.
 - :mod:`.registry`: the list of targets, their installation, what a ``length_surge`` run requires.
-- :mod:`.configs`: verl's optimizer configs accepting ``length_surge`` (FSDP, Megatron).
+- :mod:`.configs`: verl's optimizer configs accepting ``length_surge`` (FSDP, Megatron), by name;
+  :mod:`.config_classes` builds them.
 - :mod:`.engine`: the engines build our scheduler.
-- :mod:`.worker`: the actor update feeds the scheduler once per trainer step.
-- :mod:`.bypass`: the same in verl's bypass mode.
+- :mod:`.worker`: the actor update (``TrainingWorker.train_mini_batch``) and the old-log-prob pass.
+- :mod:`.steps`: one trainer step's state and its updates from measure to feed (the per-update path).
+- :mod:`.signals`: the figures, measured as verl logs them, over the global batch (one collective each time).
+- :mod:`.bypass`: the update's branch in verl's bypass mode.
 - :mod:`.driver`: the trainer-side checks and tags (V0, V1), pre-rejection mismatch.
-- :mod:`.signals`: length, score and mismatch over the global batch.
 - :mod:`.refusals`: where ``length_surge`` is refused by name.
 
 Importing this package does nothing; the ``verl.plugins`` entry point (``verl_lrstab._entry``)

@@ -10,47 +10,50 @@ all-reduced at the first optimizer step (a torch step pre-hook), before the sche
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 from verl_lrstab import mismatch
 from verl_lrstab.bypass import BYPASS_KEY, capture_first_mini_batch
-from verl_lrstab.glue.steps import feed, feed_mismatch, with_metrics
 
 logger = logging.getLogger("verl_lrstab")
 
 
-def train_mini_batch_bypass(worker, scheduler, state, data, run_original, length_stats, last: bool, is_async: bool):
-    """One update of a bypass-mode ``length_surge`` run (``state``: :class:`verl_lrstab.glue.steps.StepState`)."""
+def train_mini_batch_bypass(worker, scheduler, state, data, run, batch, position):
+    """One update of a bypass-mode ``length_surge`` run; as :func:`verl_lrstab.glue.steps.run_update`
+    (``state``: its :class:`~verl_lrstab.glue.steps.StepState`), the mismatch figure fed at the optimizer step."""
     mismatch.warn_once("bypass")
-    acc = state.acc
-    acc.add_length(length_stats)
+    n_sequences = first_mini_batch_size(worker, data)
+    state.add_batch(batch, with_mismatch=False)  # old vs rollout log-probs: 0 by construction
+    metric, is_async, last = scheduler.config.mismatch_metric, position.is_async, position.last
+    fed = state.feed(scheduler, position, with_mismatch=False)[0] if last else None
     figures = {}
-    if last:
-        feed(scheduler, state, acc.result()[0])
-        scheduler.pending_mismatch_kl = None
+    done = False
 
     def on_reduced(measured):  # once, on every rank alike; before the scheduler steps if at the optimizer step
-        acc.add_mismatch(capture.global_stats if measured is not None else None)
+        state.add_mismatch(capture.global_stats if measured is not None else None)
         if last:
-            figures.update(acc.result()[1] or {})
-            feed_mismatch(scheduler, figures or None, is_async)
+            figures.update(state.mismatch_figures() or {})
+            if not done:  # after the update the step is taken: the figure is logged, not fed to the next step
+                kl = None if (not figures or is_async) else figures.get(f"mismatch/{metric}")
+                scheduler.observe_update(dataclasses.replace(fed, mismatch_kl=kl))
 
     engine = worker.engine
     hold = contextlib.nullcontext() if last else scheduler.holding()
     with hold, capture_first_mini_batch(
-            worker, first_mini_batch_size(worker, data), micro_batch_view,
+            worker, n_sequences, micro_batch_view,
             optimizer=getattr(engine, "optimizer", None), group=engine.get_data_parallel_group(),
             on_reduced=on_reduced) as capture:
-        output = run_original()
+        output = run()
+        done = True
     if not last:  # not the step's last update: the LR stays, nothing is logged
-        return output
-    acc.reset()
-    scheduler.pending_mismatch_kl = None  # consumed by the step; if fed after it (no optimizer hook): not for the next
+        return output, {}
+    state.reset_batch()
     if not figures:
         mismatch.warn_once("bypass_failed")
     else:
         figures[BYPASS_KEY] = 1.0
-    return with_metrics(output, {**scheduler.metrics(), **figures})
+    return output, figures
 
 
 def first_mini_batch_size(worker, data) -> int:

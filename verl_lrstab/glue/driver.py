@@ -22,8 +22,9 @@ import logging
 import threading
 import weakref
 
+from verl_lrstab.config import OPTIONS_KEY
 from verl_lrstab.glue import trainers
-from verl_lrstab.glue.configs import length_surge_options
+from verl_lrstab.glue.config_classes import length_surge_options
 from verl_lrstab.glue.failsafe import SCHEDULER_NAME
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
 from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError
@@ -82,7 +83,7 @@ def check_run(config, require, trainer=None) -> bool:
     options = length_surge_options(actor.optim.get("length_surge"))
     cls = type(trainer) if trainer is not None else trainer_class(config)
     is_async = run_is_async(config, cls)
-    key = "actor_rollout_ref.actor.optim.length_surge.trigger"
+    key = f"{OPTIONS_KEY}.trigger"
     if options.trigger != "length":
         if not config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
             raise GlueError(f"{key}={options.trigger!r} needs the rollout engine's log-probs: set "

@@ -44,7 +44,6 @@ def fsdp_engine_checks(module, build):
 
 def build_length_surge_scheduler(optimizer, optim_config, verbose: bool = False):
     """Build :class:`LengthSurgeLR` from verl's optimizer config, resolving warmup as verl does."""
-    from verl_lrstab.glue.steps import state_of
     from verl_lrstab.scheduler import LengthSurgeLR
 
     warmup = optim_config.lr_warmup_steps
@@ -52,7 +51,6 @@ def build_length_surge_scheduler(optimizer, optim_config, verbose: bool = False)
         warmup = int(optim_config.lr_warmup_steps_ratio * optim_config.total_training_steps)
     warmup = max(0, warmup)
     scheduler = LengthSurgeLR(optimizer, getattr(optim_config, "length_surge", None), warmup_steps=warmup)
-    state_of(scheduler, configured_warmup=warmup)
     if verbose:
         print(f"verl_lrstab: length_surge scheduler, warmup {warmup} steps, options {scheduler.config.to_dict()}")
     return scheduler

@@ -23,7 +23,8 @@ from verl_lrstab.glue.imports import when_imported
 logger = logging.getLogger("verl_lrstab")
 
 SCHEDULER_NAME = "length_surge"  # verl_lrstab.config.SCHEDULER_NAME (not imported: it may be the broken one)
-OPTIM_KEY = "actor_rollout_ref.actor.optim.lr_scheduler_type"
+OPTIM = "actor_rollout_ref.actor.optim"  # verl_lrstab.config.OPTIM_KEY (not imported, as above)
+OPTIM_KEY = f"{OPTIM}.lr_scheduler_type"
 
 #: ``(target, cause)`` of every failure of the glue in this process.
 FAILURES: list = []

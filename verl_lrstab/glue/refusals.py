@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from verl_lrstab.glue.failsafe import SCHEDULER_NAME
+from verl_lrstab.glue.failsafe import OPTIM, OPTIM_KEY, SCHEDULER_NAME
 from verl_lrstab.glue.wraps import Wrap, dispatch
 
-SUPPORTED = ("the actor (actor_rollout_ref.actor.optim) of the FSDP engine (strategy fsdp/fsdp2) and of the "
+SUPPORTED = (f"the actor ({OPTIM}) of the FSDP engine (strategy fsdp/fsdp2) and of the "
              "Megatron engine (strategy megatron, lr_decay_style) in verl's main_ppo, V0 and V1 (sync, "
              "colocate_async, separate_async)")
 
@@ -72,7 +72,7 @@ def _config_actor_optim(self, *args, **kwargs):
     return SCHEDULER_NAME if SCHEDULER_NAME in names else names[0]
 
 
-ACTOR_KEY = "actor_rollout_ref.actor.optim.lr_scheduler_type"
+ACTOR_KEY = OPTIM_KEY
 
 def refusal_wrap(module: str, owner: str, attribute: str, parameters: tuple, key: str, where: str,
                  get: Callable) -> Wrap:

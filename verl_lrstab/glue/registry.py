@@ -10,7 +10,8 @@ import functools
 import importlib
 import threading
 
-from verl_lrstab.glue import configs, driver, engine, refusals, worker
+from verl_lrstab.glue import config_classes as configs
+from verl_lrstab.glue import driver, engine, refusals, worker
 from verl_lrstab.glue.failsafe import FAILURES, check_usable, report_failure
 from verl_lrstab.glue.imports import when_imported
 from verl_lrstab.glue.wraps import Wrap, apply, original, owner_of

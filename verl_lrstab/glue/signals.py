@@ -1,19 +1,23 @@
 """The figures the worker feeds the scheduler, measured as verl logs them, over the global batch.
 
-Length, score and mismatch statistics of one actor update, summed over the data-parallel
-group with one convention for a rank that cannot measure (:func:`verl_lrstab.mismatch.all_reduce_or_none`:
-if one rank cannot, no rank gets a figure, so every rank takes the same decision).
+:func:`measure_batch`: the length, score and mismatch statistics of one actor batch, in one
+collective over the data-parallel group, before verl's update; :func:`measure_update_output`:
+what verl's update logged (grad norm, KL loss, clip fraction, entropy), in one collective after
+it; :func:`old_log_prob_entropy`: the entropy of verl's old-log-prob pass. One convention for a
+rank that cannot measure (:func:`verl_lrstab.collective.reduce_or_none`: if one rank cannot, no
+rank gets the figure, so every rank takes the same decision). Measuring only: what is kept
+between the updates of a trainer step is :mod:`.steps`'.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 
 from verl_lrstab import mismatch
+from verl_lrstab.collective import Part, all_reduce_or_none, reduce_or_none
 from verl_lrstab.glue.wraps import Check, VerlShapeError
 
 logger = logging.getLogger("verl_lrstab")
@@ -40,7 +44,7 @@ def response_lengths(data):
 
 def sequence_scores(data):
     """Per-sample scores, the reward summed over the response (verl's ``critic/score/*`` then leave
-    out the aborted, empty responses: :func:`global_score_stats` does too).
+    out the aborted, empty responses: :func:`measure_batch` does too).
 
     V0 sends ``token_level_scores`` (padded, zeros past the response); V1 sends ``rm_scores``
     (jagged, one value per response token), whose synthetic padding samples are left out as
@@ -118,39 +122,66 @@ def check_assumptions_once() -> None:
     _assumptions_checked = True
 
 
-def global_length_stats(data, dp_group=None, cap: Optional[int] = None) -> Optional[list]:
-    """``[sum, count]`` of the response lengths over the global batch, or None when a rank cannot measure.
+class BatchStats(NamedTuple):
+    """One actor batch's global figures (:func:`measure_batch`); None where some rank could not measure."""
 
-    With ``cap`` (the rollout's response cap in tokens) a third figure: how many responses reached
-    it (``[sum, count, at_cap]``: the clip ratio against the cap, which verl 0.9.1's own
-    ``response_length/clip_ratio`` is not: it compares with the batch's padded width, the
-    longest response of the batch in V0). An empty batch gives zeros (the step is skipped, not
-    counted as unmeasurable); a batch without the keys the length comes from gives None on
-    every rank (the worker counts those).
+    length: Optional[list]  # [sum, count] or [sum, count, at_cap] of the response lengths
+    score: Optional[list]  # [sum, count] of the sequence scores
+    mismatch: Optional[torch.Tensor]  # mismatch.STAT_FIELDS
+
+
+def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_stats=None) -> BatchStats:
+    """The length, score and mismatch figures of the global batch, reduced in one collective over ``dp_group``.
+
+    Every rank of the group calls it, once per actor update, before verl's update. Each figure
+    follows :func:`verl_lrstab.collective.reduce_or_none`: if one rank cannot measure it, no
+    rank gets it, so every rank takes the same decision.
+
+    Args:
+        data: the worker's actor batch.
+        cap: the rollout's response cap in tokens: the length gets a third figure, how many
+            responses reached it (the clip ratio against the cap, which verl 0.9.1's own
+            ``response_length/clip_ratio`` is not: it compares with the batch's padded width).
+        pre_rejection_stats: the mismatch stats the driver measured over the whole batch before
+            rejection sampling overwrote ``response_mask`` (already global): they win over the
+            worker's own measurement, and do not travel.
+
+    An empty batch gives zero counts (the step is skipped, not counted as unmeasurable); a
+    batch without the keys the length comes from gives ``length`` None (the worker counts those);
+    one without a score runs the detector on the length alone; one without rollout log-probs
+    has no mismatch figures (a warning, once).
     """
     width = 2 if cap is None else 3
+    parts = [Part(_local_length(data, cap), width), Part(_local_score(data), 2)]
+    has_log_probs = "rollout_log_probs" in data.keys() and "old_log_probs" in data.keys()
+    if pre_rejection_stats is None and has_log_probs:
+        parts.append(Part(_local_mismatch(data), len(mismatch.STAT_FIELDS), n_max=1))
+    length, score, *measured = reduce_or_none(parts, dp_group)
+    if pre_rejection_stats is not None:
+        stats = torch.tensor(list(pre_rejection_stats), dtype=torch.float64)
+    else:
+        stats = measured[0] if measured else None
+        if stats is None:
+            mismatch.warn_once("missing")
+    return BatchStats(None if length is None else length.tolist(), None if score is None else score.tolist(), stats)
+
+
+def _local_length(data, cap: Optional[int]) -> Optional[torch.Tensor]:
     try:
         lengths = response_lengths(data)
         figures = [lengths.sum().double(), torch.tensor(float(lengths.numel()), dtype=torch.float64)]
         if cap is not None:
             figures.append((lengths >= cap).sum().double())
-        local = torch.stack(figures)
+        return torch.stack(figures)
     except Exception as exc:  # noqa: BLE001 - never fail a training step for one unmeasurable batch
         logger.warning("verl_lrstab: could not measure the response length (%s); the step is skipped", exc)
-        local = None
-    reduced = mismatch.all_reduce_or_none(local, width, group=dp_group)
-    return None if reduced is None else reduced.tolist()
+        return None
 
 
 _score_missing_warned = False
 
 
-def global_score_stats(data, dp_group=None) -> Optional[list]:
-    """``[sum, count]`` of the sequence scores over the global batch, or None (on every rank alike).
-
-    None when the batch carries no score (or a rank fails): the detector then runs on the
-    length alone this step (``detector: cusum`` loses its learning check).
-    """
+def _local_score(data) -> Optional[torch.Tensor]:
     global _score_missing_warned
     try:
         scores = sequence_scores(data)
@@ -160,43 +191,23 @@ def global_score_stats(data, dp_group=None) -> Optional[list]:
         if lengths.numel() != scores.numel():
             raise ValueError(f"{scores.numel()} scores for {lengths.numel()} responses")
         scores = scores[lengths > 0].double()  # verl's critic/score/* leave out aborted (empty) responses
-        local = torch.stack([scores.sum(), torch.tensor(float(scores.numel()), dtype=torch.float64)])
+        return torch.stack([scores.sum(), torch.tensor(float(scores.numel()), dtype=torch.float64)])
     except Exception as exc:  # noqa: BLE001 - never fail a training step for a co-signal
         if not _score_missing_warned:
             _score_missing_warned = True
             logger.warning("verl_lrstab: no score for the surge detector (%s); it runs on the length alone", exc)
-        local = None
-    reduced = mismatch.all_reduce_or_none(local, 2, group=dp_group)
-    return None if reduced is None else reduced.tolist()
-
-
-def global_mismatch_stats(data, dp_group=None, pre_rejection_stats=None) -> Optional[torch.Tensor]:
-    """The global mismatch stats tensor (``mismatch.STAT_FIELDS``), or None on every rank alike.
-
-    ``pre_rejection_stats`` (measured by the driver over the whole batch before rejection
-    sampling overwrote ``response_mask``) wins over the worker's own measurement.
-    """
-    if pre_rejection_stats is not None:
-        return torch.tensor(list(pre_rejection_stats), dtype=torch.float64)
-    if "rollout_log_probs" not in data.keys() or "old_log_probs" not in data.keys():
-        mismatch.warn_once("missing")
         return None
+
+
+def _local_mismatch(data) -> Optional[torch.Tensor]:
     try:
-        stats = mismatch.compute_stats(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"])
+        return mismatch.compute_stats(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"])
     except Exception as exc:  # noqa: BLE001 - never fail a training step for a metric
         logger.warning("verl_lrstab: could not compute the mismatch figures (%s); none logged this step", exc)
-        stats = None
-    reduced = mismatch.all_reduce_or_none(stats, len(mismatch.STAT_FIELDS), n_max=1, group=dp_group)
-    if reduced is None:
-        mismatch.warn_once("missing")
-    return reduced
+        return None
 
 
-def has_rollout_log_probs(data) -> bool:
-    return "rollout_log_probs" in data.keys()
-
-
-# -- detector v4's co-signals: what verl's own update logs (issue 33) --------------------------
+# -- the co-signals of detector: cusum: what verl's own update logs --------------------------
 #: The figures of an actor update that ``detector: cusum`` reads, by co-signal, as keyed in the
 #: metrics ``TrainingWorker.train_mini_batch`` returns (the driver then prefixes ``actor/``).
 #: ``entropy``: the update's own (``actor/entropy_loss``, computed when ``calculate_entropy`` or an entropy
@@ -237,19 +248,18 @@ def old_log_prob_entropy_stats(output, data) -> torch.Tensor:
     return torch.stack([(torch.where(finite, per_token, 0.0) * mask).sum(), mask.sum()]).cpu()
 
 
-def feed_old_log_prob_entropy(scheduler, output, data) -> None:
-    """Keep the global mean entropy of this step's old-log-prob pass for the step's last update (every rank of
-    the default group calls it, each such pass; the same figure or none on every rank)."""
-    from verl_lrstab.glue.steps import state_of
+def old_log_prob_entropy(output, data) -> Optional[float]:
+    """The global mean entropy of an old-log-prob pass (verl's ``actor/entropy``), or None (on every rank alike).
 
+    Every rank of the default group calls it, each such pass (one collective).
+    """
     try:
         local = old_log_prob_entropy_stats(output, data)
     except Exception as exc:  # noqa: BLE001 - never fail a training step for a co-signal
         logger.warning("verl_lrstab: could not read the old-log-prob pass's entropy (%s)", exc)
         local = None
-    reduced = mismatch.all_reduce_or_none(local, 2)
-    state = state_of(scheduler)
-    state.entropy = None if reduced is None or reduced[1].item() <= 0 else reduced[0].item() / reduced[1].item()
+    reduced = all_reduce_or_none(local, 2)
+    return None if reduced is None or reduced[1].item() <= 0 else reduced[0].item() / reduced[1].item()
 
 
 def _finite_values(value) -> list[float]:
@@ -278,60 +288,17 @@ def update_figure_stats(output) -> torch.Tensor:
     return torch.tensor(stats, dtype=torch.float64)
 
 
-class _StepFigures:
-    """The sums of one trainer step's updates (separate_async runs several), per scheduler."""
+def measure_update_output(output) -> Optional[torch.Tensor]:
+    """``[sum, count]`` per :data:`UPDATE_FIGURES` entry of one update's metrics, over the default group, or None.
 
-    def __init__(self):
-        self.stats = torch.zeros(2 * len(UPDATE_FIGURES), dtype=torch.float64)
-        self.valid = True
-
-
-_step_figures: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def feed_update_figures(scheduler, output, last: bool):
-    """Hand one update's grad norm, KL loss, PPO clip fraction and entropy to ``detector: cusum`` (v4).
-
-    Called on every rank after verl's update (a collective: every rank of the default group,
-    each update). Only the model-parallel source ranks hold verl's metrics, so they are summed
-    over the default group, not the data-parallel one, with the one convention of
-    :func:`verl_lrstab.mismatch.all_reduce_or_none`: every rank gets the same figures or none.
-    On the trainer step's last update their means are observed by the detector under the step
-    just fed (it reads them from the next step on: :meth:`verl_lrstab.cusum.CusumDetector.observe`)
-    and logged as ``lrstab/<name>`` (``actor/lrstab/<name>`` in verl's log, what ``lrstab replay``
-    of this run reads). Returns ``output`` (with those figures on the last update).
+    Called on every rank after verl's update (one collective: every rank of the default group,
+    each update): only the model-parallel source ranks hold verl's metrics, so they are summed
+    over the default group, not the data-parallel one. They exist only after the update, after
+    the scheduler stepped, so they cannot travel with :func:`measure_batch`'s collective.
     """
     try:
         local = update_figure_stats(output)
     except Exception as exc:  # noqa: BLE001 - never fail a training step for a co-signal
         logger.warning("verl_lrstab: could not read the update's grad norm / KL loss / clip fraction (%s)", exc)
         local = None
-    reduced = mismatch.all_reduce_or_none(local, 2 * len(UPDATE_FIGURES))
-    acc = _step_figures.setdefault(scheduler, _StepFigures())
-    if reduced is None:
-        acc.valid = False
-    else:
-        acc.stats += reduced
-    if not last:
-        return output
-    means = {}
-    if acc.valid:
-        for i, name in enumerate(UPDATE_FIGURES):
-            total, count = acc.stats[2 * i].item(), acc.stats[2 * i + 1].item()
-            if count > 0:
-                means[name] = total / count
-    _step_figures[scheduler] = _StepFigures()
-    from verl_lrstab.glue.steps import state_of
-
-    state = state_of(scheduler)
-    if state.entropy is not None:  # this step's old-log-prob pass: verl's actor/entropy
-        means["entropy"] = state.entropy
-    state.entropy = None
-    detector = scheduler.schedule.detector
-    observe = getattr(detector, "observe", None)  # detector: ratio reads the length only
-    if observe is None or not means or detector.last_step is None:
-        return output
-    observe(detector.last_step, **means)
-    from verl_lrstab.glue.steps import with_metrics
-
-    return with_metrics(output, {f"lrstab/{name}": value for name, value in means.items()})
+    return all_reduce_or_none(local, 2 * len(UPDATE_FIGURES))

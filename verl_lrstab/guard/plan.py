@@ -17,7 +17,7 @@ from typing import Optional
 
 import pandas as pd
 
-from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.config import OPTIM_KEY, LengthSurgeConfig
 from verl_lrstab.config_checks import config_value
 from verl_lrstab.guard.files import write_atomic
 from verl_lrstab.reward_crash import reward_crash
@@ -26,7 +26,7 @@ from verl_lrstab.schedule import decay_period_from_surge, num_decays, replay
 
 logger = logging.getLogger("verl_lrstab")
 
-OPTIM = "actor_rollout_ref.actor.optim"
+OPTIM = OPTIM_KEY
 REASONS = ("surge", "reward_crash", "non_finite")
 LENGTH, SCORE, SCORE_MIN = "response_length/mean", "critic/score/mean", "critic/score/min"
 KL, CLIP = "actor/lrstab/mismatch_kl", "actor/lrstab/clip_ratio"

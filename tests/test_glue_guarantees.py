@@ -1,4 +1,4 @@
-"""The glue's guarantees (issue 26) on verl's real classes: stock runs reach verl's own code untouched,
+"""The glue's guarantees on verl's real classes: stock runs reach verl's own code untouched,
 and a ``length_surge`` run that cannot work is refused with the key to set, never trained at a
 constant LR. The end-to-end forms (a real ``main_ppo``) are in ``tests/e2e/test_failsafe_e2e.py``.
 """
@@ -202,7 +202,7 @@ def test_the_lr_is_held_within_a_trainer_step_on_our_scheduler_not_on_verls_engi
     run_update(w, v0_batch(tag=(1, 2, 0)))
     assert w.engine.lr_scheduler.last_epoch == 1  # stepped once, on the step's last update
     assert set(vars(w.engine)) == engine_attrs  # nothing of ours left on verl's object
-    assert steps.state_of(w.engine.lr_scheduler).updates_per_step == 2
+    assert w.engine.lr_scheduler.updates_per_step == 2
 
 
 # -- resume across a change ---------------------------------------------------------------------------
