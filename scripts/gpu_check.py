@@ -85,9 +85,8 @@ def _glue_figures(data, group, cap: int) -> dict:
     from verl_lrstab import mismatch
     from verl_lrstab.glue import signals
 
-    length = signals.global_length_stats(data, group, cap=cap)
-    score = signals.global_score_stats(data, group)
-    figures = mismatch.finalize(signals.global_mismatch_stats(data, group))
+    length, score, stats = signals.measure_batch(data, group, cap=cap)
+    figures = mismatch.finalize(stats)
     out = {"length/sum": None, "length/count": None, "length/at_cap": None, "score/sum": None, "score/count": None}
     if length is not None:
         out.update(zip(("length/sum", "length/count", "length/at_cap"), length))
@@ -191,28 +190,28 @@ def _to_device(tensors: dict, device: torch.device) -> dict:
 
 
 class _CollectiveLog:
-    """Within the block the package's all-reduce runs on the world-size-1 group and is recorded.
-
-    ``all_reduce_or_none`` reduces only when the group has more than one rank (with one rank the sums
-    are already global); one GPU cannot hold two NCCL ranks. The group here reports 2 ranks to the
-    package's calls, so its collective branch runs for real: the device ``collective_device`` picks,
-    NCCL's SUM and MAX all-reduces over the one rank (which leave the values as they are), the copy back.
-    """
+    """Within the block the package's collectives run for real on the world-size-1 group and are recorded
+    (the package reduces over any initialized group, one rank included: the device ``collective_device``
+    picks, NCCL's ``all_gather`` over the one rank, the copy back)."""
 
     def __enter__(self):
         dist = torch.distributed
         self.calls = []
-        self._saved = dist.get_world_size, dist.all_reduce
+        self._saved = dist.all_gather, dist.all_reduce
 
-        def all_reduce(tensor, *args, **kwargs):
-            self.calls.append((tensor.device, tensor.dtype))
-            return self._saved[1](tensor, *args, **kwargs)
+        def recorded(original):
+            def call(tensor_or_list, tensor=None, *args, **kwargs):
+                sent = tensor if tensor is not None else tensor_or_list
+                self.calls.append((original.__name__, sent.device, sent.dtype))
+                return original(tensor_or_list, tensor, *args, **kwargs) if tensor is not None else \
+                    original(tensor_or_list, *args, **kwargs)
+            return call
 
-        dist.get_world_size, dist.all_reduce = (lambda group=None: 2), all_reduce
+        dist.all_gather, dist.all_reduce = recorded(self._saved[0]), recorded(self._saved[1])
         return self
 
     def __exit__(self, *exc):
-        torch.distributed.get_world_size, torch.distributed.all_reduce = self._saved
+        torch.distributed.all_gather, torch.distributed.all_reduce = self._saved
 
 
 def _close(a, b, rel: float) -> bool:
@@ -243,9 +242,9 @@ def check_glue(args) -> str:
         with _CollectiveLog() as log:
             figures = _glue_figures(_container(_to_device(tensors, device), n), group, cap=width)
         _compare(figures, reference, 1e-5, f"{layout}: {device} figures and CPU figures")
-        want = [(torch.device(mismatch_device(device)), torch.float64)] * 4  # length, score, mismatch SUM + MAX
+        want = [("all_gather", torch.device(mismatch_device(device)), torch.float64)]  # length, score, mismatch: one
         if log.calls != want:
-            raise AssertionError(f"{layout}: the package's all-reduces ran as {log.calls}, expected {want}")
+            raise AssertionError(f"{layout}: the package's collectives ran as {log.calls}, expected {want}")
         mean_length = reference["length/sum"] / reference["length/count"]
         expected_length = plain["mean_length"] * len(samples) / (len(samples) + (layout == "V0 padded"))
         if not _close(mean_length, expected_length, 1e-12):

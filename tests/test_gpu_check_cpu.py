@@ -41,7 +41,7 @@ def test_megatron_check_on_cpu():
 
 @pytest.mark.timeout(300)
 def test_glue_figures_through_the_shell_script():
-    """scripts/gpu_check.sh --cpu: V0 padded and V1 jagged batches, figures through the package's all-reduce
+    """scripts/gpu_check.sh --cpu: V0 padded and V1 jagged batches, figures through the package's collective
     (gloo), equal to the CPU reference and to the plain mean length and k3."""
     proc, lines = _run("bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--only", "2")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -135,5 +135,5 @@ def test_the_glue_check_sees_a_collective_that_did_not_run(gloo_group, monkeypat
     gpu_check = _module()
     monkeypatch.setattr(gpu_check._CollectiveLog, "__enter__", lambda self: setattr(self, "calls", []) or self)
     monkeypatch.setattr(gpu_check._CollectiveLog, "__exit__", lambda self, *exc: None)
-    with pytest.raises(AssertionError, match="the package's all-reduces ran as \\[\\]"):
+    with pytest.raises(AssertionError, match="the package's collectives ran as \\[\\]"):
         gpu_check.check_glue(type("Args", (), {"device": "cpu"})())

@@ -45,7 +45,7 @@ def reduce_or_none(parts: Sequence[Part], group=None) -> list[Optional[torch.Ten
     """
     packed = torch.cat([_pack(part) for part in parts]) if parts else torch.zeros(0, dtype=torch.float64)
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if dist.is_available() and dist.is_initialized():  # world size 1 too: one code path at every scale
         device = collective_device(group)
         gathered = [torch.empty_like(packed, device=device) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, packed.to(device), group=group)

@@ -168,7 +168,7 @@ def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_
 
 def _local_length(data, cap: Optional[int]) -> Optional[torch.Tensor]:
     try:
-        lengths = response_lengths(data)
+        lengths = response_lengths(data).cpu()  # the batch may sit on an accelerator; the figures travel from the CPU
         figures = [lengths.sum().double(), torch.tensor(float(lengths.numel()), dtype=torch.float64)]
         if cap is not None:
             figures.append((lengths >= cap).sum().double())
@@ -190,7 +190,7 @@ def _local_score(data) -> Optional[torch.Tensor]:
         lengths = response_lengths(data)
         if lengths.numel() != scores.numel():
             raise ValueError(f"{scores.numel()} scores for {lengths.numel()} responses")
-        scores = scores[lengths > 0].double()  # verl's critic/score/* leave out aborted (empty) responses
+        scores = scores.cpu()[lengths.cpu() > 0].double()  # verl's critic/score/* leave out aborted (empty) responses
         return torch.stack([scores.sum(), torch.tensor(float(scores.numel()), dtype=torch.float64)])
     except Exception as exc:  # noqa: BLE001 - never fail a training step for a co-signal
         if not _score_missing_warned:
