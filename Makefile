@@ -138,7 +138,7 @@ bench: install
 	$(PY) scripts/research/bench_detector.py
 
 ## CPU-scale reproduction of a mismatch collapse (scripts/research/repro/README.md): verl's vLLM rollout (bf16),
-## bypass mode, 6 arms x 3 seeds; repro-ci is its small form (tests/e2e/test_repro_ci.py: make test-e2e
+## bypass mode, 6 arms x 3 seeds; repro-ci is its small form (tests/research/test_repro_ci.py: make test-e2e
 ## runs it as is and on one arm). Issue 6's table (injected weight noise): scripts/research/repro/all.py --recipe noise.
 repro: install install-vllm
 	$(PY) scripts/research/repro/all.py

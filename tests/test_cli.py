@@ -129,7 +129,7 @@ def test_scheduler_options_come_from_the_config_fields(verl_run, capsys):
         assert code == 0 and res["surge_step"] is None and res["decay_period"] is None
         assert set(res["lr_scale"]) == {1.0}
     code, out, _ = run_cli("replay", verl_run[0], "--json", "--detector", "ratio", capsys=capsys)
-    assert json.loads(out)["surge_step"] == 112  # the rule before v2 on the same run (test_runs pins both)
+    assert json.loads(out)["surge_step"] == 112  # the ratio rule on the same run (test_runs pins both)
 
     # the two-run workflow: a fixed period gives the paper's schedule whatever the run does
     code, out, _ = run_cli("replay", verl_run[0], "--json", "--decay-period", "198", "--cusum-min-rise", "5",
@@ -271,7 +271,7 @@ def test_compare_reports_what_a_length_surge_run_logged(tmp_path, capsys):
     assert row.surge_step == 34
 
 
-# -- issue 11 item 5: every option exercised and refused by name; issue 10: co-signals and the lead -----
+# -- every option exercised and refused by name; co-signals and the lead ------------------------
 BAD_VALUES = {
     "period_factor": "0", "gamma": "1.5", "min_lr_ratio": "0", "origin": "middle", "decay_period": "0",
     "trigger": "loss", "detector": "zscore", "skip_first_steps": "-1", "fast_window": "0", "horizon": "x",

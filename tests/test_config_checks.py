@@ -1,4 +1,4 @@
-"""The rollout configuration checks (issue 23) on verl's real config tree, composed by Hydra."""
+"""The rollout configuration checks on verl's real config tree, composed by Hydra."""
 
 from __future__ import annotations
 

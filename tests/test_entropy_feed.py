@@ -1,4 +1,4 @@
-"""detector v4's entropy in training (issue 33): the per-token entropy verl's old-log-prob pass already returns
+"""The detector's entropy co-signal in training: the per-token entropy verl's old-log-prob pass already returns
 (its driver logs ``actor/entropy`` from it, then drops it before the update) reaches the detector; no extra pass.
 
 The batch is built as verl's driver builds it (left-padded prompts, right-padded responses, a response mask),

@@ -265,7 +265,7 @@ def test_v0_driver_wrap_tags_the_step_and_hands_the_pre_rejection_stats_to_the_w
     driver._run.pre_rs = None
 
 
-# -- the clip ratio against the rollout's cap (issue 21) -------------------------------------------
+# -- the clip ratio against the rollout's cap ----------------------------------------------------
 def padded_to(width: int) -> dict:
     """``padded_batch()`` with the response side padded to ``width`` tokens (as a rollout padding
     to its cap would), plus what verl's ``compute_data_metrics`` reads."""

@@ -286,7 +286,7 @@ def test_verls_own_post_init_runs_for_stock_and_length_surge_configs(monkeypatch
     ({"length_surge": {"max_surges": 2}}, r"length_surge\.max_surges=2 is invalid in training"),
     ({"length_surge": {"patience": 5}}, r"length_surge\.patience=5 is invalid.*detector='cusum' and trigger='length'"),
     ({"length_surge": {"mismatch_budget": 1e-3}}, r"length_surge\.mismatch_budget=0\.001 is invalid.*trigger='length'"),
-    # issue 35: beside a fixed decay_period, and under monitor_only
+    # beside a fixed decay_period, and under monitor_only
     ({"length_surge": {"decay_period": 20, "period_factor": 1.2}},
      r"length_surge\.period_factor=1\.2 is invalid in training.*not read: a fixed decay_period=20"),
     ({"length_surge": {"monitor_only": True, "decay_period": 20}},

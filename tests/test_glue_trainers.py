@@ -1,4 +1,4 @@
-"""Every trainer class verl 0.9.1 ships is served or refused (issue 35), decided by class, not mode name.
+"""Every trainer class verl 0.9.1 ships is served or refused, decided by class, not mode name.
 
 Each case builds verl's real trainer class with a config composed by verl's Hydra configs; the
 glue's checks run in the wrapped ``__init__`` before verl's own (V0's then stops at verl's first

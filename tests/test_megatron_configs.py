@@ -44,7 +44,7 @@ def test_megatron_arm_passes_verl_checks(arm, model):
     assert optim.lr == pytest.approx(1e-6) and optim.use_checkpoint_opt_param_scheduler is True
     assert actor.megatron.use_distributed_optimizer
     if arm == "megatron_length_surge":
-        # the paper's defaults, with the paper's origin (the arm names it: issue 37)
+        # the paper's defaults, with the paper's origin (the arm names it)
         assert optim.lr_decay_style == "length_surge" and optim.length_surge == LengthSurgeConfig(origin="start")
     else:
         assert optim.lr_decay_style == "constant" and optim.length_surge is None

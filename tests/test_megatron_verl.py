@@ -80,7 +80,7 @@ def test_stock_megatron_config_is_unchanged():
          r"unknown key.*length_surge\.ratio.*allowed keys"),
         ([f"{OPTIM}.lr_decay_style=length_surge", f"+{OPTIM}.length_surge.max_surges=2"],
          r"length_surge\.max_surges=2 is invalid in training: allowed values are its default 1"),
-        ([f"{OPTIM}.lr_decay_style=length_surge", f"{OPTIM}.min_lr=1e-7"],  # issue 35: never read (FSDP's
+        ([f"{OPTIM}.lr_decay_style=length_surge", f"{OPTIM}.min_lr=1e-7"],  # never read (FSDP's
          r"optim\.min_lr=1e-07 is not read by lr_decay_style=length_surge: allowed values are \[0\.0\]"),  # min_lr_ratio too)
     ],
 )

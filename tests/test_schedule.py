@@ -259,7 +259,7 @@ def test_resuming_with_another_detector_is_refused_by_name():
     with pytest.raises(ValueError, match=r"detector 'ratio'.*length_surge\.detector='cusum'.*set detector: ratio"):
         LengthSurgeSchedule().load_state_dict(state)
     old = LengthSurgeSchedule({"detector": "ratio"}).state_dict()
-    del old["detector_kind"]  # a checkpoint written before v2 holds the ratio detector
+    del old["detector_kind"]  # a checkpoint written before the CUSUM detector holds the ratio one
     LengthSurgeSchedule({"detector": "ratio"}).load_state_dict(old)
     with pytest.raises(ValueError, match="detector 'ratio'"):
         LengthSurgeSchedule().load_state_dict(old)

@@ -1,4 +1,4 @@
-"""The admission check's verdict (issue 23): a candidate rollout's mismatch against a budget.
+"""The admission check's verdict: a candidate rollout's mismatch against a budget.
 
 Pure functions over the per-step ``actor/mismatch/*`` figures of a few no-update steps (verl's
 ``main_ppo`` at LR 0: the trainer scores exactly what the rollout engine sampled). The runner

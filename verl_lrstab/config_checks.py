@@ -1,4 +1,4 @@
-"""Rollout configurations that bias the mismatch figures, or that no LR schedule can fix (issue 23).
+"""Rollout configurations that bias the mismatch figures, or that no LR schedule can fix.
 
 Pure functions of verl's config tree (an OmegaConf node, a dict or verl's dataclasses): each
 :class:`Finding` names the keys, says why, and what to set. The admission check (`lrstab admit`)

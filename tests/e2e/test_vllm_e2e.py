@@ -1,4 +1,4 @@
-"""End-to-end (issue 12): verl 0.9.1's own ``vllm`` rollout on vLLM's CPU build, in verl's real main_ppo.
+"""End-to-end: verl 0.9.1's own ``vllm`` rollout on vLLM's CPU build, in verl's real main_ppo.
 
 ``actor_rollout_ref.rollout.name=vllm`` (``configs/cpu_rollout/vllm.yaml``): verl's vLLMReplica /
 vLLMHttpServer / AsyncLLM engine generate and return vLLM's own log-probs; verl's ServerAdapter
@@ -222,7 +222,7 @@ def test_v1_bf16_surge_decays_lr(vllm_run):
 
 
 
-# -- 4. full_determinism: two identical V1 runs sample the same tokens (issue 16) ------------------
+# -- 4. full_determinism: two identical V1 runs sample the same tokens -------------------------
 @pytest.mark.slow
 def test_v1_full_determinism_runs_are_identical(vllm_run):
     """Per-request seeds (verl_lrstab_cpu.vllm_server) and vLLM's default kernels: bit-identical runs.
