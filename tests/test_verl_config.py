@@ -54,7 +54,7 @@ def test_stock_config_is_unchanged():
         (f"+{OPTIM}.length_surge.period_factor=-1", r"length_surge\.period_factor=-1.*allowed values are a number > 0"),
         (f"+{OPTIM}.length_surge.min_lr_ratio=0", r"length_surge\.min_lr_ratio=0.*\(0, 1\]"),
         (f"+{OPTIM}.length_surge.gamma=1.5", r"length_surge\.gamma=1\.5.*\(0, 1\)"),
-        (f"+{OPTIM}.length_surge.decay_period=0", r"length_surge\.decay_period=0.*>= 1"),
+        (f"+{OPTIM}.length_surge.decay_period=0", r"length_surge\.decay_period=0.*an integer in \[1, 10000000\]"),
         (f"+{OPTIM}.length_surge.origin=end", r"length_surge\.origin='end'.*\['start', 'surge'\]"),
         (f"+{OPTIM}.length_surge.ratio=2", r"unknown key.*length_surge\.ratio.*allowed keys"),
     ],
