@@ -65,7 +65,7 @@ LENGTH, SCORE, K3, CLIP = ("response_length/mean", "critic/score/mean", "actor/m
 # The figures verl logs on every step that detector v4 reads (issue 33): classes I-N carry them.
 ENTROPY, GRAD_NORM, KL_LOSS, PG_CLIPFRAC = "actor/entropy", "actor/grad_norm", "actor/kl_loss", "actor/pg_clipfrac"
 COSIGNALS = (ENTROPY, GRAD_NORM, KL_LOSS, PG_CLIPFRAC)
-CLASSES = "ABCDEFGHIJKLMN"
+CLASSES = "ABCDEFGHIJKLMNOPQ"
 #: v4's classes: the three real shapes of issue 33 (I, J, K) and their healthy twins (L, M, N)
 NEW_CLASSES = "IJKLMN"
 SEEDS = range(8)
@@ -308,12 +308,14 @@ def _cosignals(rng, t, entropy=None, grad=None, kl=None, clipfrac=None) -> dict:
             PG_CLIPFRAC: _lognoise(rng, c0 * (flat if clipfrac is None else clipfrac), 0.15)}
 
 
-def _new_trace(rng, name, cls, expect, doc, level, cv, cap, acc, cosignals, **kw) -> Trace:
+def _new_trace(rng, name, cls, expect, doc, level, cv, cap, acc, cosignals, k3=None, batch=256, **kw) -> Trace:
+    """A run with verl's co-signals; ``k3``: its mismatch-KL column (None: not logged, NaN)."""
     n, onset = len(level), kw.get("onset")
     after = (acc < 0.5) & (np.arange(1, n + 1) >= (onset or 1))  # the crash: the first step from the onset below 0.5
     crash = int(np.argmax(after)) + 1 if expect == "fire" and after.any() else None
-    return Trace(name, cls, expect, doc, _noisy_length(rng, level, cv, cap), _noisy_score(rng, acc, 256),
-                 np.full(n, np.nan), _clip_ratio(rng, level, cap), crash=crash, cosignals=cosignals, **kw)
+    return Trace(name, cls, expect, doc, _noisy_length(rng, level, cv, cap), _noisy_score(rng, acc, batch),
+                 np.full(n, np.nan) if k3 is None else k3, _clip_ratio(rng, level, cap), crash=crash,
+                 cosignals=cosignals, **kw)
 
 
 def class_i(rng, name) -> Trace:
@@ -430,6 +432,103 @@ def class_n(rng, name) -> Trace:
                       f"the run, excursions {exc}", level, cv, cap, acc, co)
 
 
+def class_o(rng, name) -> Trace:
+    """A flat length that climbs slowly and noisily to ~1.5x within ~15 steps and ~2x within ~35, the
+    mismatch KL (k3) doubling over the climb's first ~15 steps (it rises with the length), the entropy
+    flat or falling slightly, the grad norm spiking once or twice, the batch accuracy high and noisy
+    and falling only ~25 steps into the climb."""
+    plateau, cv = rng.uniform(300, 700), rng.uniform(0.08, 0.12)
+    onset = int(rng.integers(60, 121))
+    mid, top = rng.uniform(12, 18), rng.uniform(30, 40)
+    fall, cross = int(rng.integers(22, 29)), rng.uniform(8, 12)
+    n = onset + fall + int(cross) + 15
+    t = np.arange(1, n + 1)
+    # the climb wobbles around its log-linear path (a noisy climb, not a ramp)
+    wobble = np.exp(np.where(t > onset, 0.04 * rng.standard_normal(n), 0.0))
+    level = plateau * wobble * _interp_log(t, [(onset, 1.0), (onset + mid, rng.uniform(1.4, 1.6)),
+                                               (onset + top, rng.uniform(1.8, 2.2))])
+    cap = plateau * rng.uniform(2.8, 3.5)
+    kl_mid = rng.uniform(1.8, 2.4)
+    # k3 settles from the early steps' higher level (1.5-2.2x) to its plateau before the climb: the
+    # steps 30-60 back hold more than the climb's start, so a KL test against them sees it late
+    k3 = 5e-4 * rng.uniform(0.5, 2) * _interp_log(t, [(1, rng.uniform(1.5, 2.2)), (onset - int(rng.integers(5, 16)), 1.0),
+                                                      (onset, 1.0), (onset + mid * rng.uniform(0.8, 1.2), kl_mid),
+                                                      (onset + top, kl_mid * rng.uniform(1.5, 2.0))])
+    acc0 = rng.uniform(0.75, 0.88)
+    acc = np.interp(t, [1, 20, onset + fall, onset + fall + cross, onset + fall + cross + 10],
+                    [acc0 - 0.1, acc0, acc0, 0.5, 0.2])
+    grad = np.ones(n)
+    spikes = sorted(onset + int(rng.integers(0, 21)) for _ in range(int(rng.integers(1, 3))))
+    for at in spikes:
+        grad[at - 1] *= rng.uniform(2, 4)
+    co = _cosignals(rng, t, entropy=_interp_log(t, [(onset, 1.0), (onset + top, rng.uniform(0.85, 1.0))]), grad=grad)
+    return _new_trace(rng, name, "O", "fire", f"O: flat {plateau:.0f}, noise {cv:.0%}, climb from {onset} "
+                      f"(~1.5x at +{mid:.0f}, ~2x at +{top:.0f}), k3 x{kl_mid:.1f} with it, grad-norm spikes at "
+                      f"{spikes}, accuracy {acc0:.2f} falling from +{fall}", level, cv, cap, acc, co, onset=onset,
+                      k3=_noisy_k3(rng, k3), batch=int(rng.integers(64, 129)))
+
+
+def class_p(rng, name) -> Trace:
+    """Healthy twin: a GRPO run that learns steadily (batch accuracy high and noisy, entropy low and
+    flat, grad norm flat) with a long-tailed length: single steps +20-30 % that revert the next step,
+    the level drifting up slowly (1.15-1.25x over 25-40 steps, two to four times), and two to four
+    steps where the length jumps +35-55 % while that step's batch accuracy dips by 0.15-0.25 (long
+    answers are more often wrong or cut off), both back the next step."""
+    plateau, cv, n = rng.uniform(300, 800), rng.uniform(0.05, 0.08), int(rng.integers(200, 301))
+    t = np.arange(1, n + 1)
+    knots, at, ends = [(1, 1.0)], int(rng.integers(20, 41)), []
+    factor = 1.0
+    for _ in range(int(rng.integers(2, 5))):
+        if at + 45 > n:
+            break
+        dur = int(rng.integers(25, 41))
+        knots.append((at, factor))
+        factor *= rng.uniform(1.15, 1.25)
+        knots.append((at + dur, factor))
+        ends.append(at + dur)
+        at += dur + int(rng.integers(10, 41))
+    level = plateau * _interp_log(t, knots)
+    spike = np.where(rng.random(n) < 0.12, rng.uniform(1.2, 1.3, n), 1.0)
+    spike[1:][spike[:-1] > 1] = 1.0  # single steps: each spike is back the next step
+    big = sorted({int(np.clip(e + rng.integers(-6, 4), 25, n - 2)) for e in ends[:int(rng.integers(2, 5))]})
+    dips = np.zeros(n)
+    for s in big:
+        spike[s - 2:s + 1] = 1.0  # a single step: the steps around it are not spikes
+        spike[s - 1], dips[s - 1] = rng.uniform(1.35, 1.55), rng.uniform(0.15, 0.25)
+    cap = plateau * factor * rng.uniform(3, 4)
+    acc0 = rng.uniform(0.7, 0.85)
+    acc = acc0 + rng.uniform(0.03, 0.08) * t / n
+    co = _cosignals(rng, t)
+    tr = _new_trace(rng, name, "P", "no_fire", f"P: {n} steps, {plateau:.0f} tokens, noise {cv:.0%}, drift to "
+                    f"x{factor:.2f}, one-step spikes with a score dip at {big}", level * spike, cv, cap, acc, co,
+                    batch=int(rng.integers(64, 129)))
+    # the batch's composition: a long batch scores lower in the same step (more wrong or cut-off answers)
+    tr.score = np.round(np.clip(tr.score - dips - 0.4 * np.log(spike) * (dips == 0), 0, 1), 4)
+    return tr
+
+
+def class_q(rng, name) -> Trace:
+    """Healthy twin: a flat length that drifts up slowly and noisily (1.3-1.7x over 20-40 steps, then
+    holds) with a flat mismatch KL, the entropy flat or falling slightly, a grad-norm spike or two and
+    the batch accuracy high and noisy, not falling."""
+    plateau, cv = rng.uniform(300, 700), rng.uniform(0.06, 0.10)
+    onset, dur = int(rng.integers(60, 121)), int(rng.integers(20, 41))
+    n = onset + dur + int(rng.integers(60, 121))
+    t = np.arange(1, n + 1)
+    wobble = np.exp(np.where(t > onset, 0.04 * rng.standard_normal(n), 0.0))
+    level = plateau * wobble * _interp_log(t, [(onset, 1.0), (onset + dur, rng.uniform(1.3, 1.7))])
+    cap = plateau * rng.uniform(2.8, 3.5)
+    acc0 = rng.uniform(0.75, 0.88)
+    acc = np.interp(t, [1, 20, n], [acc0 - 0.1, acc0, acc0 + rng.uniform(0, 0.05)])
+    grad = np.ones(n)
+    for _ in range(int(rng.integers(1, 3))):
+        grad[onset + int(rng.integers(0, 21)) - 1] *= rng.uniform(2, 4)
+    co = _cosignals(rng, t, entropy=_interp_log(t, [(onset, 1.0), (onset + dur, rng.uniform(0.85, 1.0))]), grad=grad)
+    return _new_trace(rng, name, "Q", "no_fire", f"Q: flat {plateau:.0f}, noise {cv:.0%}, drift from {onset} over "
+                      f"{dur} steps, flat k3, accuracy {acc0:.2f}", level, cv, cap, acc, co,
+                      k3=_noisy_k3(rng, np.full(n, 5e-4 * rng.uniform(0.5, 2))), batch=int(rng.integers(64, 129)))
+
+
 SCORE_FORMS = ("dense", "every", "filled", "none")
 
 
@@ -469,7 +568,7 @@ def traces(seeds=SEEDS, classes=CLASSES) -> list[Trace]:
                 rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
                 make = {"A": class_a, "B": class_b, "C": class_c, "D": class_d, "E": class_e, "G": class_g,
                         "H": class_h, "I": class_i, "J": class_j, "K": class_k, "L": class_l, "M": class_m,
-                        "N": class_n}
+                        "N": class_n, "O": class_o, "P": class_p, "Q": class_q}
                 out.append(class_f(rng, name, v) if cls == "F" else make[cls](rng, name))
     return out
 
