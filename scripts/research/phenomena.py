@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Seeded synthetic runs of the phenomena of issues 10, 21 and 33 (classes A-N), with co-signal columns.
+"""Seeded synthetic runs of the surge phenomena (classes A-Q), with co-signal columns.
 
 Each run is one row per step with the figures verl logs: ``response_length/mean``,
 ``critic/score/mean`` (batch accuracy), ``actor/mismatch/k3`` and ``response_length/clip_ratio``.
-The numbers come from the issue; every seed draws the plateau, the noise, the rise speed, the
+The numbers come from descriptions of real runs; every seed draws the plateau, the noise, the rise speed, the
 cap and the times within the stated ranges, so the set is not one curve copied:
 
 - **A** mismatch collapse, fast: plateau 300-450 tokens, noise 6-10 % (sd/mean) for 40+ steps;
@@ -22,12 +22,12 @@ cap and the times within the stated ranges, so the set is not one curve copied:
   length rise.
 - **G** a 10x excursion within 8 steps that reverts, then 150-400 steps later an A-like
   surge-and-collapse: firing on either is a detection.
-- **H** long healthy run (issue 21): 800-1200 steps, noise 5-10 %, slow growth to 1.2-1.8x, 3-8
+- **H** long healthy run: 800-1200 steps, noise 5-10 %, slow growth to 1.2-1.8x, 3-8
   short excursions of 1.3-2x that revert within 5-15 steps; accuracy rises slowly; flat k3. Real
   logs of this kind often carry the score on every 10th row only (:func:`sparse_score`).
 
-Issue 33 (detector v4): the three shapes of real surges the default was late on or missed, and
-their healthy twins. These carry what verl logs on every step instead of the mismatch k3 (NaN):
+Three shapes of real surges an earlier default was late on or missed, and their healthy twins.
+These carry what verl logs on every step instead of the mismatch k3 (NaN):
 ``actor/entropy``, ``actor/grad_norm``, ``actor/kl_loss``, ``actor/pg_clipfrac`` (``COSIGNALS``):
 
 - **I** a slow healthy drift (~1.6x over 60 steps, score stable), then a 1.3-2x surge within 6-9
@@ -41,6 +41,17 @@ their healthy twins. These carry what verl logs on every step instead of the mis
 - **M** (healthy) grad-norm spikes of 3-10x over 1-3 steps that revert, several at the start of a
   1.3-1.8x length excursion that reverts.
 - **N** (healthy) the KL loss rising slowly (3-8x over the run) under such excursions.
+
+Two more shapes of hidden real runs and their twins (O and Q carry the mismatch k3 too):
+
+- **O** a flat length that climbs slowly and noisily to ~1.5x within ~15 steps and ~2x within ~35,
+  k3 doubling over the climb's first ~15 steps (after settling from a higher early level), the
+  entropy flat or falling slightly, a grad-norm spike or two, the accuracy high and noisy and
+  falling ~25 steps into the climb.
+- **P** (healthy) a learning run with a long-tailed length: single steps +20-30 % that revert, a
+  level drifting up ~1.2x over 30 steps, and steps +35-55 % whose batch accuracy dips 0.15-0.25
+  in the same step, both back the next step.
+- **Q** (healthy) a slow drift (1.3-1.7x over 20-40 steps) with a flat k3.
 
 :func:`sparse_score` turns any run's score column into the forms real logs have: every k-th row
 only (NaN elsewhere), the same forward-filled, or absent.
@@ -62,12 +73,12 @@ import numpy as np
 
 LENGTH, SCORE, K3, CLIP = ("response_length/mean", "critic/score/mean", "actor/mismatch/k3",
                            "response_length/clip_ratio")
-# The figures verl logs on every step that detector v4 reads (issue 33): classes I-N carry them.
+# The figures verl logs on every step that the detector reads: classes I-Q carry them.
 ENTROPY, GRAD_NORM, KL_LOSS, PG_CLIPFRAC = "actor/entropy", "actor/grad_norm", "actor/kl_loss", "actor/pg_clipfrac"
 COSIGNALS = (ENTROPY, GRAD_NORM, KL_LOSS, PG_CLIPFRAC)
 CLASSES = "ABCDEFGHIJKLMNOPQ"
-#: v4's classes: the three real shapes of issue 33 (I, J, K) and their healthy twins (L, M, N)
-NEW_CLASSES = "IJKLMN"
+#: the classes that carry verl's co-signals
+COSIGNAL_CLASSES = "IJKLMNOPQ"
 SEEDS = range(8)
 OUT = Path(__file__).resolve().parent / "traces" / "classes"
 
@@ -87,7 +98,7 @@ class Trace:
     rise_end: int | None = None  # B: the step the cap is reached
     excursion: tuple[int, int] | None = None  # G: first and last step of the 10x excursion
     meta: dict = field(default_factory=dict)
-    cosignals: dict = field(default_factory=dict)  # classes I-N: {ENTROPY: array, ...} (COSIGNALS)
+    cosignals: dict = field(default_factory=dict)  # classes I-Q: {ENTROPY: array, ...} (COSIGNALS)
 
     @property
     def steps(self) -> list[int]:
@@ -292,7 +303,7 @@ def class_h(rng, name) -> Trace:
                  _noisy_k3(rng, np.full(n, 5e-4)), _clip_ratio(rng, level, cap))
 
 
-# -- v4's classes (issue 33): the three real shapes, their healthy twins, with verl's co-signals ----
+# -- the classes with verl's co-signals: real shapes and their healthy twins ---------------------
 def _lognoise(rng, curve, sd):
     """``curve`` times log-normal noise of ``sd`` (grad norms, KLs and clip fractions are positive)."""
     return np.array([float(f"{v:.4g}") for v in curve * np.exp(sd * rng.standard_normal(len(curve)))])
@@ -321,7 +332,7 @@ def _new_trace(rng, name, cls, expect, doc, level, cv, cap, acc, cosignals, k3=N
 def class_i(rng, name) -> Trace:
     """Healthy drift ~1.6x over 60 steps with a stable score, then a 1.3-2x surge within ~9 steps
     whose clip share, grad norm, KL and entropy turn up from its first steps; the accuracy crashes
-    4-9 steps after the onset (the bf16 Qwen3-1.7B GRPO runs of issue 33)."""
+    4-9 steps after the onset (bf16 Qwen3-1.7B GRPO runs)."""
     plateau, cv = rng.uniform(250, 450), rng.uniform(0.04, 0.07)
     d0 = int(rng.integers(15, 31))
     onset = d0 + 60 + int(rng.integers(0, 11))
@@ -366,7 +377,7 @@ def class_j(rng, name) -> Trace:
 
 def class_k(rng, name) -> Trace:
     """An early high (3-6x the later level) and recovery, a long short phase, then a return to about
-    that high with the score collapsing to zero in the same steps (v2 fired, v3 and v3.1 did not)."""
+    that high with the score collapsing to zero in the same steps."""
     low, cv, high = rng.uniform(120, 250), rng.uniform(0.05, 0.08), rng.uniform(3, 6)
     fall_at, onset, rise = int(rng.integers(10, 21)), int(rng.integers(55, 91)), int(rng.integers(2, 5))
     back = high * rng.uniform(0.8, 1.1)
