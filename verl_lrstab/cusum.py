@@ -31,9 +31,9 @@ Two stages, every decision from data up to the current step only:
    baseline window at least as much as the length (and ``KL_WITH_MIN`` x), in the alarm's first
    5 steps, while the length is up; so a slow surge whose k3 rises with it decides no later than
    the length alone, even where k3 settled from a higher early level (the steps 30-60 back).
-   **One-step spikes**: a length ``spike_rise`` x the rows before and after it (a single long
+   **One-step spikes**: a length ``spike_rise`` x the steps before and after it (a single long
    batch, back the next step) is no part of the level, and a score observation on it, or on a
-   newest row ``spike_rise`` x the row before (whether it reverts is known at the next row), never
+   newest step ``spike_rise`` x the step before (whether it reverts is known at the next step), never
    confirms: long answers are more often wrong or cut off, so a same-step score dip on a long
    batch is the batch's composition, not a trend.
 3. **Runaway.** Whatever the co-signals say, an armed alarm fires once the level reaches
@@ -149,9 +149,9 @@ class CusumDetector:
         clip_rise (float): clip-ratio increase that confirms an alarm. Default 0.25.
         runaway_rise (float): an armed alarm fires, whatever the co-signals, once the level is
             this multiple of the alarm's baseline (and not a rebound). Default 2.5.
-        spike_rise (float): a length at least this multiple of the rows before and after it is a
+        spike_rise (float): a length at least this multiple of the steps before and after it is a
             one-step spike: no part of the level, and no score observation of it (nor of a newest
-            row this multiple of the row before) confirms an alarm. Default 1.2.
+            step this multiple of the step before) confirms an alarm. Default 1.2.
         max_surges (int): surges reported at most. Default 1.
     """
 
@@ -332,25 +332,27 @@ class CusumDetector:
         return math.log(self.level) < max(old) + math.log(self.rebound_margin if margin is None else margin)
 
     def _one_step_spikes(self) -> set:
-        """Steps whose length is a **one-step spike**: at least ``spike_rise`` x the length of the row
-        before and of the row after, i.e. it reverted at the next row.
+        """Steps whose length is a **one-step spike**: at least ``spike_rise`` x the length of the step
+        before and of the step after (adjacent steps, both logged), i.e. it reverted the next step.
 
         A long-tailed length has single long batches (+20-50 %) that are back the next step; they are
         no part of the run's level, and their same-step score dip (long answers are more often wrong
-        or cut off) is the batch's composition, not a trend. A row of a log written every few steps is
-        one step's batch too: one that is back at the next row is the same single long batch.
+        or cut off) is the batch's composition, not a trend. In a log written every few steps a row's
+        neighbours are 5-10 steps away, and a high row between them may be a short excursion (a 10x
+        one lasts 8 steps) rather than one batch: nothing there is a one-step spike.
         """
         bar, rows, out = math.log(self.spike_rise), self._log, set()
-        for (_, y0), (s1, y1), (_, y2) in zip(rows, rows[1:], rows[2:]):
-            if y1 - y0 >= bar and y1 - y2 >= bar:
+        for (s0, y0), (s1, y1), (s2, y2) in zip(rows, rows[1:], rows[2:]):
+            if s1 - s0 == 1 and s2 - s1 == 1 and y1 - y0 >= bar and y1 - y2 >= bar:
                 out.add(s1)
         return out
 
     def _jumped(self, step: int) -> bool:
-        """The length of ``step`` (the newest row) is ``spike_rise`` x the row before's: whether it reverts
-        (a one-step spike) is known only at the next row."""
+        """The length of ``step`` (the newest row) is ``spike_rise`` x the step before's: whether it reverts
+        (a one-step spike) is known only at the next step."""
         rows = self._log
-        return len(rows) >= 2 and rows[-1][0] == step and rows[-1][1] - rows[-2][1] >= math.log(self.spike_rise)
+        return (len(rows) >= 2 and rows[-1][0] == step and rows[-2][0] == step - 1
+                and rows[-1][1] - rows[-2][1] >= math.log(self.spike_rise))
 
     def _composition_free_score(self, step: int) -> list:
         """The score's observations less those of one-step spikes and of a newest step whose length just
