@@ -278,7 +278,8 @@ BAD_VALUES = {
     "baseline_window": "2.5", "ratio_threshold": "1", "patience": "0", "max_surges": "0", "cusum_span": "0",
     "cusum_lag": "-2", "cusum_drift": "0", "cusum_threshold": "-1", "cusum_min_rise": "0.9",
     "cusum_noise_floor": "0", "cusum_rebound_margin": "1", "cusum_rebound_memory": "0", "cusum_confirm_steps": "x",
-    "cusum_score_z": "nan", "cusum_kl_rise": "1", "cusum_clip_rise": "-0.1", "cusum_runaway_rise": "1", "mismatch_budget": "-1",
+    "cusum_score_z": "nan", "cusum_kl_rise": "1", "cusum_clip_rise": "-0.1", "cusum_runaway_rise": "1",
+    "cusum_spike_rise": "1", "mismatch_budget": "-1",
     "mismatch_budget_factor": "0", "mismatch_calibration_steps": "0", "mismatch_metric": "k1",
     "monitor_only": "maybe", "decay_from_step": "-1", "guard_rollbacks": "-1",
 }

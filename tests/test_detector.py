@@ -172,7 +172,7 @@ SCORE_FORMS = [("dense", 1), ("every", 4), ("every", 5), ("every", 10), ("filled
 
 
 def expected_outcome(tr, fired):
-    """What issue 21 asks of each class: a detection before the crash (A), during the rise (B), on
+    """What each class asks: a detection before the crash (A), during the rise (B), on
     the excursion or the later surge (G); no firing at all on the healthy classes."""
     if tr.expect == "no_fire":
         return fired == []
@@ -271,9 +271,8 @@ def _collapse_then_recovery(early_level, seed):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_cusum_a_climb_back_after_a_length_collapse_is_a_rebound_even_on_half_evidence(seed):
-    # v3.1: the half-evidence rule (KL confirms, level 1.1x) skipped the rebound test, and
-    # pilot 4 fired at step 84 on a return from 23 to 30 tokens, below the 45 it started at
-    # (this trace fired at 82-85 with v3)
+    # the half-evidence rule (KL confirms, level 1.1x) must not skip the rebound test: a real-model
+    # pilot returning from 23 to 30 tokens, below the 45 it started at, is a rebound
     steps, length, kl, score = _collapse_then_recovery(45.0, seed)
     det = CusumDetector()
     assert [s for s, v, k, sc in zip(steps, length, kl, score) if det.update(s, v, score=sc, kl=k)] == []

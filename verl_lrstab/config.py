@@ -109,6 +109,11 @@ class LengthSurgeConfig:
         cusum_runaway_rise (float): cusum: an alarm fires whatever the co-signals once the level
             is this multiple of its baseline and the run never was that long before (> 1): the
             paper's 3-4x surge may come with a rising score. Default 2.5.
+        cusum_spike_rise (float): cusum: a **one-step spike** is a length at least this multiple
+            of the steps before and after it (a single long batch, back the next step, > 1): it is
+            no part of the level, and a score dip on it, or on a newest step this multiple of the
+            step before (known to revert only at the next step), never confirms an alarm (long answers
+            are more often wrong or cut off: the batch's composition, not a trend). Default 1.2.
         max_surges (int): how many surges the detector reports per run. Default 1. The
             schedule always follows the first one; later ones are only reported.
         mismatch_budget (float | None): fixed budget on the mismatch KL for the mismatch
@@ -155,6 +160,7 @@ class LengthSurgeConfig:
     cusum_kl_rise: float = 1.5
     cusum_clip_rise: float = 0.25
     cusum_runaway_rise: float = 2.5
+    cusum_spike_rise: float = 1.2
     mismatch_budget: Optional[float] = None
     mismatch_budget_factor: float = 4.0
     mismatch_calibration_steps: int = 10
@@ -195,7 +201,8 @@ class LengthSurgeConfig:
         _check(_int(self.cusum_lag) and self.cusum_lag >= 0, "cusum_lag", self.cusum_lag, "an integer >= 0")
         for key in ("cusum_drift", "cusum_threshold", "cusum_noise_floor", "cusum_score_z", "cusum_clip_rise"):
             _check(_positive(getattr(self, key)), key, getattr(self, key), "a number > 0")
-        for key in ("cusum_min_rise", "cusum_rebound_margin", "cusum_kl_rise", "cusum_runaway_rise"):
+        for key in ("cusum_min_rise", "cusum_rebound_margin", "cusum_kl_rise", "cusum_runaway_rise",
+                    "cusum_spike_rise"):
             value = getattr(self, key)
             _check(math.isfinite(_num(value)) and _num(value) > 1.0, key, value, "a number > 1")
         # An option the chosen detector does not read would be a silent no-op: refuse it.

@@ -11,8 +11,8 @@ Two stages, every decision from data up to the current step only:
    baseline or more. It is not raised when the run was already at that level before (a
    **rebound**: the highest 5-row median of the last ``rebound_memory`` steps before the
    baseline, skipped early steps included, is at least ``min_rise`` x the baseline and the
-   level is below ``rebound_margin`` x it), whatever the co-signals (v3: a score no longer
-   skips this test).
+   level is below ``rebound_margin`` x it), whatever the co-signals (a score does not skip this
+   test: a sparse score would let early rebounds fire).
 2. **Co-signals.** With a score (verl's ``critic/score/mean``), an alarm arms the detector for
    up to ``confirm_steps`` steps (while the level stays at ``min_rise`` x the alarm's
    baseline) and it fires on the first step where the score **falls** (its 5-step median is
@@ -25,8 +25,17 @@ Two stages, every decision from data up to the current step only:
    ratio) must confirm; with neither score nor KL, the alarm is the surge. Half the length
    evidence (``threshold / 2``, a level half-way to ``min_rise``) is enough when the score
    already falls by 1.5 x ``score_z``, or when the KL / clip ratio confirms and the last 2
-   steps are at ``min_rise``: the early rise of a fast collapse (v3.1: not while a run whose
-   length had fallen, an earlier 5-row median 1.5x the baseline or more, climbs back below it).
+   steps are at ``min_rise``: the early rise of a fast collapse (not while a run whose length
+   had fallen, an earlier 5-row median 1.5x the baseline or more, climbs back below it).
+   **The mismatch KL risen with the length** confirms too: k3 grown over the alarm's own
+   baseline window at least as much as the length (and ``KL_WITH_MIN`` x), in the alarm's first
+   5 steps, while the length is up; so a slow surge whose k3 rises with it decides no later than
+   the length alone, even where k3 settled from a higher early level (the steps 30-60 back).
+   **One-step spikes**: a length ``spike_rise`` x the steps before and after it (a single long
+   batch, back the next step) is no part of the level, and a score observation on it, or on a
+   newest step ``spike_rise`` x the step before (whether it reverts is known at the next step), never
+   confirms: long answers are more often wrong or cut off, so a same-step score dip on a long
+   batch is the batch's composition, not a trend.
 3. **Runaway.** Whatever the co-signals say, an armed alarm fires once the level reaches
    ``runaway_rise`` x the alarm's baseline and the run was not that long before (not a rebound):
    the paper's surge (1000 -> 3000-4000 tokens within a few steps, METHOD.md) may come with a
@@ -69,11 +78,11 @@ FAST_STEPS = 2  # the early level of a KL- or clip-confirmed alarm: mean of the 
 FAST_SLACK = 1.1  # ... which the 5-step level may trail by at most this factor (one odd batch cannot pass)
 MEDIAN_SD = 1.25  # sd of a median of a few values / sd of their mean (~sqrt(pi / 2))
 # The half-evidence rule holds back while the level is below an earlier high of at least this x
-# the baseline: a run whose length fell by a third or more and climbs back (real-model pilot 4:
+# the baseline: a run whose length fell by a third or more and climbs back (a real-model pilot:
 # ~45 -> ~23-token answers -> ~30 with k3 doubling) is recovering; a warm-up high of 1.2-1.3x
 # (class A's first steps) is no such fall and must not delay the early alarm of a collapse.
 RECOVERY_HIGH = 1.5
-# v4 (issue 33): the figures verl logs on every step, each optional. A co-signal has risen when its
+# The figures verl logs on every step, each optional. A co-signal has risen when its
 # median over the last COSIGNAL_NOW_STEPS steps (at least its last 2 observations) is this multiple of
 # its median over the alarm's baseline window. The clip share is not among them: it is the length
 # seen at the cap (a healthy excursion raises it as much), no independent evidence.
@@ -87,12 +96,16 @@ COSIGNAL_VOTES = 2  # this many risen co-signals confirm a surge; one alone (a g
 # keeps the dense rule's false-positive rate (one noisy grad norm at 1.6x confirmed a growth twin, L,
 # with the plain bar). The median of its last 2 observations at the plain bar counts too, as before.
 SINGLE_RISE_POWER = 1.5
-# A rebound whose score collapses is no rebound (v4): the score's latest observation at most this
+# A rebound whose score collapses is no rebound: the score's latest observation at most this
 # share of its pre-alarm level, and COLLAPSE_Z x score_z noise units below it (the noise test is the
 # guard; the share only keeps a near-noiseless score's tiny dip out). 0.8, not 0.6: the collapse's
-# first step, not its second (class K: a step earlier in the median seed; A: one run more caught in
+# first step, not its second (the rebound-with-collapse class: a step earlier in the median seed; A: one run more caught in
 # two sparse forms; the other classes unchanged, 0 false alarms; scripts/research/bench_detector.py).
 COLLAPSE_SHARE = 0.8
+# The mismatch KL risen with the length (CusumDetector._kl_with_length) needs at least this growth over
+# the length's baseline window, whatever the length's: k3 is noisy (15 % a batch), and a median of 5
+# against one of 20 passes 1.25x by chance on ~1 decision in 100.
+KL_WITH_MIN = 1.35
 COLLAPSE_Z = 1.0
 
 
@@ -136,6 +149,9 @@ class CusumDetector:
         clip_rise (float): clip-ratio increase that confirms an alarm. Default 0.25.
         runaway_rise (float): an armed alarm fires, whatever the co-signals, once the level is
             this multiple of the alarm's baseline (and not a rebound). Default 2.5.
+        spike_rise (float): a length at least this multiple of the steps before and after it is a
+            one-step spike: no part of the level, and no score observation of it (nor of a newest
+            step this multiple of the step before) confirms an alarm. Default 1.2.
         max_surges (int): surges reported at most. Default 1.
     """
 
@@ -143,7 +159,7 @@ class CusumDetector:
                  threshold: float = 5.0, min_rise: float = 1.2, noise_floor: float = 0.05,
                  rebound_margin: float = 1.3, rebound_memory: int = 100, confirm_steps: int = 40,
                  score_z: float = 3.5, kl_rise: float = 1.5, clip_rise: float = 0.25, max_surges: int = 1,
-                 runaway_rise: float = 2.5):
+                 runaway_rise: float = 2.5, spike_rise: float = 1.2):
         for name, value, low in (("skip_first_steps", skip_first_steps, 0), ("span", span, 1), ("lag", lag, 0),
                                  ("rebound_memory", rebound_memory, 1), ("confirm_steps", confirm_steps, 1),
                                  ("max_surges", max_surges, 1)):
@@ -154,7 +170,7 @@ class CusumDetector:
             if finite_float(value) is None or value <= low:
                 raise ValueError(f"{name} must be a number > {low:g}, got {value!r}")
         for name, value in (("min_rise", min_rise), ("rebound_margin", rebound_margin), ("kl_rise", kl_rise),
-                            ("runaway_rise", runaway_rise)):
+                            ("runaway_rise", runaway_rise), ("spike_rise", spike_rise)):
             if finite_float(value) is None or value <= 1.0:
                 raise ValueError(f"{name} must be a number > 1, got {value!r}")
         self.skip_first_steps, self.span, self.lag = skip_first_steps, span, lag
@@ -162,15 +178,15 @@ class CusumDetector:
         self.noise_floor, self.rebound_margin = float(noise_floor), float(rebound_margin)
         self.rebound_memory, self.confirm_steps, self.score_z = rebound_memory, confirm_steps, float(score_z)
         self.kl_rise, self.clip_rise, self.max_surges = float(kl_rise), float(clip_rise), max_surges
-        self.runaway_rise = float(runaway_rise)
+        self.runaway_rise, self.spike_rise = float(runaway_rise), float(spike_rise)
         # rows (step, value): log lengths, rolling 5-row medians, co-signals
         self._log: list[list] = []
         self._high: list[list] = []
         self._score: list[list] = []
         self._kl: list[list] = []
         self._clip: list[list] = []
-        self._co: dict[str, list] = {name: [] for name in COSIGNALS}  # v4: verl's per-step figures
-        self._watch: Optional[dict] = None  # v4: a rebound alarm, fired by a score collapse or risen co-signals
+        self._co: dict[str, list] = {name: [] for name in COSIGNALS}  # verl's per-step figures
+        self._watch: Optional[dict] = None  # a rebound alarm, fired by a score collapse or risen co-signals
         self._cusum = 0.0
         self._armed: Optional[dict] = None
         self.surge_steps: list[int] = []
@@ -178,7 +194,8 @@ class CusumDetector:
         self.last_step: Optional[int] = None
         self.level = self.baseline = self.ratio = self.noise = _NAN
         self.score_z_now = self.kl_ratio = self.clip_delta = _NAN
-        self.cosignals_up = 0  # v4: how many of COSIGNALS have risen (at the last decision)
+        self.kl_with_length = False  # the mismatch KL has risen with the length (at the last decision)
+        self.cosignals_up = 0  # how many of COSIGNALS have risen (at the last decision)
 
     @property
     def surge_step(self) -> Optional[int]:
@@ -247,7 +264,8 @@ class CusumDetector:
             return False
         base_rows = self._baseline_rows(step)
         # the level: the last LEVEL_STEPS steps, at least LEVEL_ROWS rows (one row of a sparse log is one batch)
-        late = [(s, v) for s, v in self._log if s > self.skip_first_steps]
+        spikes = self._one_step_spikes()
+        late = [(s, v) for s, v in self._log if s > self.skip_first_steps and s not in spikes]
         recent = [v for s, v in late if s > step - LEVEL_STEPS]
         if sum(s > step - LEVEL_STEPS for s, _ in self._log) < LEVEL_ROWS:
             recent = [v for _, v in late[-LEVEL_ROWS:]]
@@ -268,7 +286,7 @@ class CusumDetector:
                 self._armed = refs
                 logger.info("verl_lrstab: length alarm at step %d (cusum %.1f, level %.4g = %.3g x baseline)",
                             step, self._cusum, self.level, self.ratio)
-        fired = self._rebound_collapses(step, b, fast)  # ... unless its score collapses or its co-signals rise (v4)
+        fired = self._rebound_collapses(step, b, fast)  # ... unless its score collapses or its co-signals rise
         if self._armed is not None and (self.level < self.min_rise * self._armed["baseline"]
                                         or step - self._armed["step"] > self.confirm_steps):
             self._disarm()  # the length came back down, or no co-signal confirmed it in time
@@ -279,8 +297,8 @@ class CusumDetector:
             # half the length evidence (a level half-way to min_rise) is enough when a co-signal
             # already says collapse: the score falls clearly, or the mismatch KL / clip ratio has
             # grown and the last 2 steps are at min_rise (the early rise of a fast collapse); not
-            # while a run whose length had fallen climbs back below its earlier high (v3.1).
-            # v4: two of verl's co-signals risen confirm as soon as the last 2 steps are half-way
+            # while a run whose length had fallen climbs back below its earlier high.
+            # Two of verl's co-signals risen confirm as soon as the last 2 steps are half-way
             # to min_rise (the 5-step level may still trail: the explosion's first steps)
             half = (1 + self.min_rise) / 2
             if self.ratio < half and not (fast >= half and self._up(step, self._refs(step, b)) >= COSIGNAL_VOTES):
@@ -327,6 +345,37 @@ class CusumDetector:
             return False
         return math.log(self.level) < max(old) + math.log(self.rebound_margin if margin is None else margin)
 
+    def _one_step_spikes(self) -> set:
+        """Steps whose length is a **one-step spike**: at least ``spike_rise`` x the length of the step
+        before and of the step after (adjacent steps, both logged), i.e. it reverted the next step.
+
+        A long-tailed length has single long batches (+20-50 %) that are back the next step; they are
+        no part of the run's level, and their same-step score dip (long answers are more often wrong
+        or cut off) is the batch's composition, not a trend. In a log written every few steps a row's
+        neighbours are 5-10 steps away, and a high row between them may be a short excursion (a 10x
+        one lasts 8 steps) rather than one batch: nothing there is a one-step spike.
+        """
+        bar, rows, out = math.log(self.spike_rise), self._log, set()
+        for (s0, y0), (s1, y1), (s2, y2) in zip(rows, rows[1:], rows[2:]):
+            if s1 - s0 == 1 and s2 - s1 == 1 and y1 - y0 >= bar and y1 - y2 >= bar:
+                out.add(s1)
+        return out
+
+    def _jumped(self, step: int) -> bool:
+        """The length of ``step`` (the newest row) is ``spike_rise`` x the step before's: whether it reverts
+        (a one-step spike) is known only at the next step."""
+        rows = self._log
+        return (len(rows) >= 2 and rows[-1][0] == step and rows[-2][0] == step - 1
+                and rows[-1][1] - rows[-2][1] >= math.log(self.spike_rise))
+
+    def _composition_free_score(self, step: int) -> list:
+        """The score's observations less those of one-step spikes and of a newest step whose length just
+        jumped: a score is never confirmed by a same-step dip on a long batch alone."""
+        drop = self._one_step_spikes()
+        if self._jumped(step):
+            drop.add(step)
+        return [r for r in self._score if r[0] not in drop] if drop else self._score
+
     def _runaway(self, alarm: dict) -> bool:
         """The level reached ``runaway_rise`` x the alarm's baseline, a level the run did not have before."""
         # at least 3 rows: in a sparse log the 5-step level is one noisy row
@@ -363,15 +412,17 @@ class CusumDetector:
             noise = max(1.2533 * sum(abs(v - center) for v in vals) / len(vals), 0.01 * abs(ref), 1e-3)
         clip_ref = self._ref(self._clip, lo, hi)[0]
         kl_ref = self._ref(self._kl, step - KL_BACK[1], step - KL_BACK[0])[0]
+        kl_with = self._ref(self._kl, lo, hi)[0]
         old, n_old, _ = self._ref(self._score, step - SCORE_OLD[1], step - SCORE_OLD[0])
         return {"step": step, "baseline": math.exp(b), "score_ref": ref, "score_n": n_ref, "score_old": old,
                 "score_old_n": n_old,
-                "score_noise": noise, "score_peak": ref, "kl_ref": kl_ref, "clip_ref": clip_ref, "z_factor": 1.0,
+                "score_noise": noise, "score_peak": ref, "kl_ref": kl_ref, "kl_with_ref": kl_with,
+                "clip_ref": clip_ref, "z_factor": 1.0,
                 "co_ref": {name: self._ref([r for r in rows if r[0] < step], lo, hi)[0]
                            for name, rows in self._co.items()}}
 
     def _up(self, step: int, a: dict, fresh: bool = False) -> int:
-        """How many of verl's co-signals have risen against the alarm's references (v4).
+        """How many of verl's co-signals have risen against the alarm's references.
 
         ``fresh``: from their observations of the last COSIGNAL_NOW_STEPS steps only (a rebound's
         co-signals must rise with the return, not be held at values from before it).
@@ -398,7 +449,7 @@ class CusumDetector:
         return any(rows and rows[0][0] < step for rows in self._co.values())
 
     def _rebound_collapses(self, step: int, b: float, fast: float) -> bool:
-        """v4: a rise back to a level the run had, while the score collapses, fires.
+        """A rise back to a level the run had, while the score collapses, fires.
 
         A rebound raises no alarm (the run was that long before), but one whose score falls to
         ``COLLAPSE_SHARE`` of its level or less is a collapse: it is watched (up to
@@ -446,13 +497,16 @@ class CusumDetector:
         ``"length"`` (a log with no co-signal at all), or None (held)."""
         kl_now = self._recent(self._kl, step, rows_min=KL_ROWS)[0]
         self.kl_ratio = kl_now / a["kl_ref"] if a["kl_ref"] > 0 else _NAN  # NaN compares False
+        self.kl_with_length = self._kl_with_length(step, kl_now, a)
         self.clip_delta = self._recent(self._clip, step, rows_min=1)[0] - a["clip_ref"]
-        now, n_now = self._recent(self._score, step)
+        now, n_now = self._recent(self._composition_free_score(step), step)
+        if not n_now and self._score and a["score_n"]:
+            return None  # a score is logged, but so far only on one-step spikes: held, never the length alone
         up = self._up(step, a)
         if not a["score_n"] or not n_now:
             self.score_z_now = _NAN
             if up >= COSIGNAL_VOTES:
-                return "cosignals"  # v4: two of verl's co-signals have risen with the length
+                return "cosignals"  # two of verl's co-signals have risen with the length
             if self._kl:
                 # no score, but the mismatch KL: it (or the clip ratio) must confirm. A length
                 # excursion of a healthy run looks like a collapse's onset for its first steps; a
@@ -460,7 +514,7 @@ class CusumDetector:
                 # cap may be far, so with the clip ratio alone the length decides.)
                 return self._kl_or_clip()
             if self._cosignals_seen(step):
-                return None  # v4: verl's co-signals are logged and say nothing: held, as with a flat KL
+                return None  # verl's co-signals are logged and say nothing: held, as with a flat KL
             return "length"  # the length alone: the length alarm is the surge
         unit = MEDIAN_SD * a["score_noise"] * math.sqrt(1 / n_now + 1 / a["score_n"])
         a["score_peak"] = max(a["score_peak"], now)
@@ -468,25 +522,45 @@ class CusumDetector:
         # A fall from the pre-alarm level, or from a peak since the alarm that was a clear rise.
         top = a["score_peak"] if (a["score_peak"] - a["score_ref"]) / unit >= 2 * self.score_z else a["score_ref"]
         old_unit = MEDIAN_SD * a["score_noise"] * math.sqrt(1 / n_now + 1 / a["score_old_n"]) if a["score_old_n"] else 0
-        if (top - now) / unit >= self.score_z * a["z_factor"] or \
-                (old_unit and (a["score_old"] - now) / old_unit >= self.score_z * a["z_factor"]):
-            return "score"  # the score falls while the length is up: the pre-collapse signature
+        if ((top - now) / unit >= self.score_z * a["z_factor"] or
+                (old_unit and (a["score_old"] - now) / old_unit >= self.score_z * a["z_factor"])) and \
+                not self._jumped(step):
+            # the score falls while the length is up: the pre-collapse signature (not on a row whose
+            # length just jumped: whether that is a one-step spike is known at the next row)
+            return "score"
         if self.score_z_now >= self.score_z:
             return None  # rising score: learning
         if up >= COSIGNAL_VOTES:
-            return "cosignals"  # v4: with the score not rising, two co-signals confirm without waiting for it to fall
+            return "cosignals"  # with the score not rising, two co-signals confirm without waiting for it to fall
         return self._kl_or_clip()
 
+    def _kl_with_length(self, step: int, kl_now: float, a: dict) -> bool:
+        """The **mismatch KL risen with the length**: while the length is up (its level at least
+        ``min_rise`` x its current baseline), k3 grew over the alarm's baseline window at least as much as
+        the length did (its level now / its median there >= the level / the alarm's baseline), and at
+        least ``KL_WITH_MIN`` x, within the alarm's first ``NOW_STEPS`` steps (the rise it confirms is the
+        length's; tested on every step of a 40-step alarm, k3's noise alone would pass the bar now and then).
+
+        k3 rising over the very window the length rose over is the mismatch surge's own sign
+        (METHOD.md: the mismatch grows with the response length); it confirms as soon as the length
+        alarms. The KL's growth against the steps 30-60 back reads low where k3 settled from a
+        higher early level over those steps, and the alarm would wait for the score to fall instead.
+        """
+        ref = a.get("kl_with_ref", _NAN)
+        return (ref > 0 and self.ratio >= self.min_rise and step - a["step"] < NOW_STEPS
+                and kl_now / ref >= max(self.level / a["baseline"], KL_WITH_MIN))
+
     def _kl_or_clip(self) -> Optional[str]:
-        if self.kl_ratio >= self.kl_rise:
+        if self.kl_ratio >= self.kl_rise or self.kl_with_length:
             return "kl"
         return "clip" if self.clip_delta >= self.clip_rise else None
 
     # -- state ---------------------------------------------------------------------------------
     _STATE = ("_log", "_high", "_score", "_kl", "_clip", "_cusum", "_armed", "surge_steps", "num_skipped",
               "last_step", "level", "baseline", "ratio", "noise", "score_z_now", "kl_ratio", "clip_delta")
-    # v4's state; a checkpoint written before v4 has none of it (starts empty: no co-signal seen)
-    _STATE_V4 = {"_co": lambda: {name: [] for name in COSIGNALS}, "_watch": lambda: None, "cosignals_up": lambda: 0}
+    # the co-signals' state; an older checkpoint has none of it (starts empty: no co-signal seen)
+    _STATE_OPTIONAL = {"_co": lambda: {name: [] for name in COSIGNALS}, "_watch": lambda: None, "cosignals_up": lambda: 0,
+                       "kl_with_length": lambda: False}
 
     def state_dict(self) -> dict:
         """The full state as plain Python types (safe for ``torch.load(weights_only=True)``)."""
@@ -496,7 +570,7 @@ class CusumDetector:
             out[key.lstrip("_")] = ([list(r) for r in value] if key.startswith("_") and isinstance(value, list)
                                     else dict(value) if isinstance(value, dict) else
                                     list(value) if isinstance(value, list) else value)
-        for key in self._STATE_V4:
+        for key in self._STATE_OPTIONAL:
             out[key.lstrip("_")] = copy.deepcopy(getattr(self, key))
         return out
 
@@ -508,7 +582,7 @@ class CusumDetector:
             elif isinstance(value, dict):
                 value = dict(value)
             setattr(self, key, value)
-        for key, empty in self._STATE_V4.items():
+        for key, empty in self._STATE_OPTIONAL.items():
             value = state.get(key.lstrip("_"))
             setattr(self, key, empty() if value is None else copy.deepcopy(value))
         if isinstance(self._armed, dict):

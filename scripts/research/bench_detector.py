@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """Surge detectors side by side on labelled runs: detections, false alarms, lead before the crash.
 
-Runs: the seeded class A-N runs of issues 10, 21 and 33 (``scripts/research/phenomena.py``, 40 seeds each, with
-score / mismatch-k3 / clip-ratio columns; I-N with verl's entropy, grad norm, KL loss and PPO clip
-fraction instead of k3), each in nine log forms (``FORMS``: dense; the score on every 4th or 10th
+Runs: the seeded class A-Q runs (``scripts/research/phenomena.py``, 40 seeds each, with score /
+mismatch-k3 / clip-ratio columns; I-Q with verl's entropy, grad norm, KL loss and PPO clip
+fraction, O and Q with k3 too), each in nine log forms (``FORMS``: dense; the score on every 4th or 10th
 row only, or forward-filled from every 10th, or absent; verl's co-signals on every 4th row only or
 forward-filled from it; every column logged every 5 or 10 steps), the 34
 length-only synthetic traces (``scripts/research/traces``, ``scripts/research/synthetic_traces.py``) and the real
 traces of ``--real DIR`` (default ``../shared/traces``; read-only, fed as logged). Rules:
 
-- ``cusum``: :func:`verl_lrstab.runs.replay_with_cosignals` (``schedule.replay`` plus v4's
+- ``cusum``: :func:`verl_lrstab.runs.replay_with_cosignals` (``schedule.replay`` plus verl's
   co-signals) with the default ``LengthSurgeConfig`` (``detector: cusum``), fed every co-signal
   the run has (the trainer's code path);
 - ``cusum, no KL``: the same without the mismatch KL (a verl run without mismatch figures: what
@@ -20,8 +20,8 @@ traces of ``--real DIR`` (default ``../shared/traces``; read-only, fed as logged
 - ``trailing ratio``: mean of the last 5 observations >= 1.5 x the mean of the 50 before them;
 - ``3x-first-50``: baseline = mean over the steps <= 50; the first later value > 3x baseline.
 
-A "hit" of A, B, G, I, J, K must come in every form; any firing on C, D, E, F, H, L, M, N in any form is
-a false alarm. Scoring: A, I, J, K are detected when the rule fires between the onset and the crash
+A "hit" of A, B, G, I, J, K, O must come in every form; any firing on C, D, E, F, H, L, M, N, P, Q in
+any form is a false alarm. Scoring: A, I, J, K, O are detected when the rule fires between the onset and the crash
 (the first step from the onset with accuracy below 0.5); lead = crash - detection. B is detected
 when it fires between the onset and the step the length reaches the cap (``rise_end``). G is
 detected on its 10x excursion (up to 10 steps after it) or on the later surge before its crash.
@@ -53,8 +53,9 @@ from verl_lrstab.runs import load_run, metric_series, replay_with_cosignals  # n
 from verl_lrstab.schedule import decay_period_from_surge, num_decays, replay  # noqa: E402
 
 SEEDS = range(40)
-HEALTHY = "CDEFHLMN"  # the classes that must never fire
-SURGES = "ABIJK"  # the classes with a crash a detection must come before
+HEALTHY = "CDEFHLMNPQ"  # the classes that must never fire
+SURGES = "ABIJKO"  # the classes with a crash a detection must come before
+COSIGNAL_SURGES = "IJKO"  # the surges that carry verl's co-signals
 # Real traces: (class, onset, crash, length column, score column, clip column), from their # lines:
 # onset = the first logged step at >= 1.5x the first logged value; crash = the collapse step.
 REAL = {
@@ -70,7 +71,7 @@ OPTIONS: dict = {}  # --set KEY=VALUE: options of the cusum rules (LengthSurgeCo
 def _cusum(run, cosignals=("k3", "score", "clip", "verl")):
     kw = dict(mismatch_kl=run.get("k3"), score=run.get("score"), clip_ratio=run.get("clip"))
     kw = {k: v for k, v in kw.items() if {"mismatch_kl": "k3", "clip_ratio": "clip"}.get(k, k) in cosignals}
-    co = run.get("co") if "verl" in cosignals else None  # v4: entropy, grad norm, KL loss, PPO clip fraction
+    co = run.get("co") if "verl" in cosignals else None  # entropy, grad norm, KL loss, PPO clip fraction
     return replay_with_cosignals(run["steps"], run["length"], LengthSurgeConfig(**OPTIONS), cosignals=co,
                                  **kw).surge_step
 
@@ -186,7 +187,7 @@ def outcome(run: dict, fired: int | None) -> str:
         return "miss" if run["expect"] == "fire" else "-"
     if fired < run["onset"]:
         return "early"
-    if run["cls"] in "AIJK":
+    if run["cls"] in "AIJKO":
         return "hit" if fired < run["crash"] else "late"
     if run["cls"] == "B":
         return "hit" if fired <= run["rise_end"] else "late"
@@ -228,7 +229,7 @@ def summary(groups: dict[str, list[dict]]) -> str:
         row(f"B detected during the rise{tag} (of {len(by['B'])})", lambda n: str(hits(by["B"], n)))
         row(f"B lead, median / min{tag}", lambda n: leads(by["B"], n))
         row(f"G detected (excursion or surge){tag} (of {len(by['G'])})", lambda n: str(hits(by["G"], n)))
-        for c in phenomena.NEW_CLASSES[:3]:
+        for c in COSIGNAL_SURGES:
             row(f"{c} detected before the crash{tag} (of {len(by[c])})", lambda n, c=c: str(hits(by[c], n)))
             row(f"{c} lead, median / min{tag}", lambda n, c=c: leads(by[c], n))
         for c in HEALTHY:
@@ -261,7 +262,7 @@ def summary_forms(groups: dict[str, list[dict]], rule: str = "cusum") -> str:
     row("B: detected during the rise", lambda runs: hit(runs, "B"))
     row("B: lead, median / min", lambda runs: lead(runs, "B"))
     row("G: detected", lambda runs: hit(runs, "G"))
-    for c in phenomena.NEW_CLASSES[:3]:
+    for c in COSIGNAL_SURGES:
         row(f"{c}: detected before the crash", lambda runs, c=c: hit(runs, c))
         row(f"{c}: lead, median / min", lambda runs, c=c: lead(runs, c))
     for c in HEALTHY:
@@ -274,11 +275,13 @@ def summary_references(groups: dict[str, list[dict]]) -> str:
     """Per class and log form, ``cusum`` against the rolling z-score and the trailing ratio, side by side.
 
     Cells: detected before the crash (of the class's runs), the median lead, and the median over
-    the runs where both fired of (``cusum``'s step - the reference's step): <= 0 is at or before it.
+    the runs where both fired of (``cusum``'s step - the reference's step): <= 0 is at or before it;
+    the last column against ``cusum`` fed the length alone.
     """
-    refs = ("z-score", "trailing ratio")
+    refs = ("z-score", "trailing ratio", "cusum, length only")
     lines = ["| class | form | detected: `cusum` / z-score / trailing | median lead: `cusum` / z-score / trailing "
-             "| median step vs z-score | median step vs trailing |", "|---|---|---|---|---|---|"]
+             "| median step vs z-score | median step vs trailing | median step vs length alone |",
+             "|---|---|---|---|---|---|---|"]
 
     def med(vals):
         return f"{statistics.median(vals):+g}" if vals else "-"
@@ -289,7 +292,7 @@ def summary_references(groups: dict[str, list[dict]]) -> str:
             if not sel:
                 continue
             hits, leads, vs = [], [], []
-            for n in ("cusum", *refs):
+            for n in ("cusum", *refs[:2]):
                 ok = [r for r in sel if outcome(r, r["fired"][n]) == "hit"]
                 hits.append(str(len(ok)))
                 vals = [_lead(r, n) for r in ok]
@@ -297,7 +300,8 @@ def summary_references(groups: dict[str, list[dict]]) -> str:
             for n in refs:
                 vs.append(med([r["fired"]["cusum"] - r["fired"][n] for r in sel
                                if r["fired"]["cusum"] is not None and r["fired"][n] is not None]))
-            lines.append(f"| {c} | {key} | {' / '.join(hits)} of {len(sel)} | {' / '.join(leads)} | {vs[0]} | {vs[1]} |")
+            lines.append(f"| {c} | {key} | {' / '.join(hits)} of {len(sel)} | {' / '.join(leads)} | {vs[0]} | {vs[1]} "
+                         f"| {vs[2]} |")
     return "\n".join(lines)
 
 
@@ -309,11 +313,11 @@ def first_cut(trigger: int, origin: str, config: LengthSurgeConfig) -> int:
 
 
 def summary_origins(runs: list[dict]) -> str:
-    """Issue 37: per class, does the first LR cut of the default ``cusum`` land before the crash, per ``origin``?"""
+    """Per class, does the first LR cut of the default ``cusum`` land before the crash, per ``origin``?"""
     cfg = LengthSurgeConfig(**OPTIONS)
     lines = ["| class | detected | first cut before the crash, `origin: start` | `origin: surge` | "
              "median first cut - crash, start / surge |", "|---|---|---|---|---|"]
-    for c in "ABGIJK":
+    for c in "ABGIJKO":
         sel = [r for r in runs if r["cls"] == c and r.get("crash") and r["fired"]["cusum"] is not None]
         cells, gaps = [], []
         for origin in ("start", "surge"):
@@ -376,7 +380,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "detector_benchmark.md")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the cusum rules, e.g. cusum_score_z=3.0 (repeatable; implies --out '')")
-    parser.add_argument("--classes", default=phenomena.CLASSES, help="classes A-H to run (default: all)")
+    parser.add_argument("--classes", default=phenomena.CLASSES, help="classes to run, e.g. OPQ (default: all)")
     args = parser.parse_args()
     for item in args.set:
         key, _, value = item.partition("=")
@@ -405,10 +409,10 @@ def main() -> None:
             "## `cusum` in every log form\n\n" + forms
             + "\n\n## Against the references, per class and form\n\n" + summary_references.__doc__.split("\n\n")[1]
             .strip().replace("\n    ", " ") + "\n\n" + versus
-            + "\n\n## The first LR cut and the crash, per `origin` (issue 37)\n\nDense logs, the default `cusum`; the "
+            + "\n\n## The first LR cut and the crash, per `origin`\n\nDense logs, the default `cusum`; the "
             "first cut is the first update whose LR is decayed (`schedule.num_decays`), the period "
             "`decay_period_from_surge` of the detection step.\n\n" + origins
-            + "\n\n## Every rule, classes A-H and the 34 traces\n\n" + head + "\n\n" + tail
+            + "\n\n## Every rule, every class and the 34 traces\n\n" + head + "\n\n" + tail
             + "\n\n## Every run (dense logs)\n\nCells: detection step; **miss** / **late** / **early** / "
             "**false alarm** in bold.\n\n" + per_run_table(groups["dense"])
             + "\n\n## The 34 length-only traces and the real traces\n\n" + per_run_table(synthetic + real) + "\n")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Seeded synthetic runs of the phenomena of issues 10, 21 and 33 (classes A-N), with co-signal columns.
+"""Seeded synthetic runs of the surge phenomena (classes A-Q), with co-signal columns.
 
 Each run is one row per step with the figures verl logs: ``response_length/mean``,
 ``critic/score/mean`` (batch accuracy), ``actor/mismatch/k3`` and ``response_length/clip_ratio``.
-The numbers come from the issue; every seed draws the plateau, the noise, the rise speed, the
+The numbers come from descriptions of real runs; every seed draws the plateau, the noise, the rise speed, the
 cap and the times within the stated ranges, so the set is not one curve copied:
 
 - **A** mismatch collapse, fast: plateau 300-450 tokens, noise 6-10 % (sd/mean) for 40+ steps;
@@ -22,12 +22,12 @@ cap and the times within the stated ranges, so the set is not one curve copied:
   length rise.
 - **G** a 10x excursion within 8 steps that reverts, then 150-400 steps later an A-like
   surge-and-collapse: firing on either is a detection.
-- **H** long healthy run (issue 21): 800-1200 steps, noise 5-10 %, slow growth to 1.2-1.8x, 3-8
+- **H** long healthy run: 800-1200 steps, noise 5-10 %, slow growth to 1.2-1.8x, 3-8
   short excursions of 1.3-2x that revert within 5-15 steps; accuracy rises slowly; flat k3. Real
   logs of this kind often carry the score on every 10th row only (:func:`sparse_score`).
 
-Issue 33 (detector v4): the three shapes of real surges the default was late on or missed, and
-their healthy twins. These carry what verl logs on every step instead of the mismatch k3 (NaN):
+Three shapes of real surges an earlier default was late on or missed, and their healthy twins.
+These carry what verl logs on every step instead of the mismatch k3 (NaN):
 ``actor/entropy``, ``actor/grad_norm``, ``actor/kl_loss``, ``actor/pg_clipfrac`` (``COSIGNALS``):
 
 - **I** a slow healthy drift (~1.6x over 60 steps, score stable), then a 1.3-2x surge within 6-9
@@ -41,6 +41,17 @@ their healthy twins. These carry what verl logs on every step instead of the mis
 - **M** (healthy) grad-norm spikes of 3-10x over 1-3 steps that revert, several at the start of a
   1.3-1.8x length excursion that reverts.
 - **N** (healthy) the KL loss rising slowly (3-8x over the run) under such excursions.
+
+Two more shapes of hidden real runs and their twins (O and Q carry the mismatch k3 too):
+
+- **O** a flat length that climbs slowly and noisily to ~1.5x within ~15 steps and ~2x within ~35,
+  k3 doubling over the climb's first ~15 steps (after settling from a higher early level), the
+  entropy flat or falling slightly, a grad-norm spike or two, the accuracy high and noisy and
+  falling ~25 steps into the climb.
+- **P** (healthy) a learning run with a long-tailed length: single steps +20-30 % that revert, a
+  level drifting up ~1.2x over 30 steps, and steps +35-55 % whose batch accuracy dips 0.15-0.25
+  in the same step, both back the next step.
+- **Q** (healthy) a slow drift (1.3-1.7x over 20-40 steps) with a flat k3.
 
 :func:`sparse_score` turns any run's score column into the forms real logs have: every k-th row
 only (NaN elsewhere), the same forward-filled, or absent.
@@ -62,12 +73,12 @@ import numpy as np
 
 LENGTH, SCORE, K3, CLIP = ("response_length/mean", "critic/score/mean", "actor/mismatch/k3",
                            "response_length/clip_ratio")
-# The figures verl logs on every step that detector v4 reads (issue 33): classes I-N carry them.
+# The figures verl logs on every step that the detector reads: classes I-Q carry them.
 ENTROPY, GRAD_NORM, KL_LOSS, PG_CLIPFRAC = "actor/entropy", "actor/grad_norm", "actor/kl_loss", "actor/pg_clipfrac"
 COSIGNALS = (ENTROPY, GRAD_NORM, KL_LOSS, PG_CLIPFRAC)
-CLASSES = "ABCDEFGHIJKLMN"
-#: v4's classes: the three real shapes of issue 33 (I, J, K) and their healthy twins (L, M, N)
-NEW_CLASSES = "IJKLMN"
+CLASSES = "ABCDEFGHIJKLMNOPQ"
+#: the classes that carry verl's co-signals
+COSIGNAL_CLASSES = "IJKLMNOPQ"
 SEEDS = range(8)
 OUT = Path(__file__).resolve().parent / "traces" / "classes"
 
@@ -87,7 +98,7 @@ class Trace:
     rise_end: int | None = None  # B: the step the cap is reached
     excursion: tuple[int, int] | None = None  # G: first and last step of the 10x excursion
     meta: dict = field(default_factory=dict)
-    cosignals: dict = field(default_factory=dict)  # classes I-N: {ENTROPY: array, ...} (COSIGNALS)
+    cosignals: dict = field(default_factory=dict)  # classes I-Q: {ENTROPY: array, ...} (COSIGNALS)
 
     @property
     def steps(self) -> list[int]:
@@ -292,7 +303,7 @@ def class_h(rng, name) -> Trace:
                  _noisy_k3(rng, np.full(n, 5e-4)), _clip_ratio(rng, level, cap))
 
 
-# -- v4's classes (issue 33): the three real shapes, their healthy twins, with verl's co-signals ----
+# -- the classes with verl's co-signals: real shapes and their healthy twins ---------------------
 def _lognoise(rng, curve, sd):
     """``curve`` times log-normal noise of ``sd`` (grad norms, KLs and clip fractions are positive)."""
     return np.array([float(f"{v:.4g}") for v in curve * np.exp(sd * rng.standard_normal(len(curve)))])
@@ -308,18 +319,20 @@ def _cosignals(rng, t, entropy=None, grad=None, kl=None, clipfrac=None) -> dict:
             PG_CLIPFRAC: _lognoise(rng, c0 * (flat if clipfrac is None else clipfrac), 0.15)}
 
 
-def _new_trace(rng, name, cls, expect, doc, level, cv, cap, acc, cosignals, **kw) -> Trace:
+def _new_trace(rng, name, cls, expect, doc, level, cv, cap, acc, cosignals, k3=None, batch=256, **kw) -> Trace:
+    """A run with verl's co-signals; ``k3``: its mismatch-KL column (None: not logged, NaN)."""
     n, onset = len(level), kw.get("onset")
     after = (acc < 0.5) & (np.arange(1, n + 1) >= (onset or 1))  # the crash: the first step from the onset below 0.5
     crash = int(np.argmax(after)) + 1 if expect == "fire" and after.any() else None
-    return Trace(name, cls, expect, doc, _noisy_length(rng, level, cv, cap), _noisy_score(rng, acc, 256),
-                 np.full(n, np.nan), _clip_ratio(rng, level, cap), crash=crash, cosignals=cosignals, **kw)
+    return Trace(name, cls, expect, doc, _noisy_length(rng, level, cv, cap), _noisy_score(rng, acc, batch),
+                 np.full(n, np.nan) if k3 is None else k3, _clip_ratio(rng, level, cap), crash=crash,
+                 cosignals=cosignals, **kw)
 
 
 def class_i(rng, name) -> Trace:
     """Healthy drift ~1.6x over 60 steps with a stable score, then a 1.3-2x surge within ~9 steps
     whose clip share, grad norm, KL and entropy turn up from its first steps; the accuracy crashes
-    4-9 steps after the onset (the bf16 Qwen3-1.7B GRPO runs of issue 33)."""
+    4-9 steps after the onset (bf16 Qwen3-1.7B GRPO runs)."""
     plateau, cv = rng.uniform(250, 450), rng.uniform(0.04, 0.07)
     d0 = int(rng.integers(15, 31))
     onset = d0 + 60 + int(rng.integers(0, 11))
@@ -364,7 +377,7 @@ def class_j(rng, name) -> Trace:
 
 def class_k(rng, name) -> Trace:
     """An early high (3-6x the later level) and recovery, a long short phase, then a return to about
-    that high with the score collapsing to zero in the same steps (v2 fired, v3 and v3.1 did not)."""
+    that high with the score collapsing to zero in the same steps."""
     low, cv, high = rng.uniform(120, 250), rng.uniform(0.05, 0.08), rng.uniform(3, 6)
     fall_at, onset, rise = int(rng.integers(10, 21)), int(rng.integers(55, 91)), int(rng.integers(2, 5))
     back = high * rng.uniform(0.8, 1.1)
@@ -430,6 +443,103 @@ def class_n(rng, name) -> Trace:
                       f"the run, excursions {exc}", level, cv, cap, acc, co)
 
 
+def class_o(rng, name) -> Trace:
+    """A flat length that climbs slowly and noisily to ~1.5x within ~15 steps and ~2x within ~35, the
+    mismatch KL (k3) doubling over the climb's first ~15 steps (it rises with the length), the entropy
+    flat or falling slightly, the grad norm spiking once or twice, the batch accuracy high and noisy
+    and falling only ~25 steps into the climb."""
+    plateau, cv = rng.uniform(300, 700), rng.uniform(0.08, 0.12)
+    onset = int(rng.integers(60, 121))
+    mid, top = rng.uniform(12, 18), rng.uniform(30, 40)
+    fall, cross = int(rng.integers(22, 29)), rng.uniform(8, 12)
+    n = onset + fall + int(cross) + 15
+    t = np.arange(1, n + 1)
+    # the climb wobbles around its log-linear path (a noisy climb, not a ramp)
+    wobble = np.exp(np.where(t > onset, 0.04 * rng.standard_normal(n), 0.0))
+    level = plateau * wobble * _interp_log(t, [(onset, 1.0), (onset + mid, rng.uniform(1.4, 1.6)),
+                                               (onset + top, rng.uniform(1.8, 2.2))])
+    cap = plateau * rng.uniform(2.8, 3.5)
+    kl_mid = rng.uniform(1.8, 2.4)
+    # k3 settles from the early steps' higher level (1.5-2.2x) to its plateau before the climb: the
+    # steps 30-60 back hold more than the climb's start, so a KL test against them sees it late
+    k3 = 5e-4 * rng.uniform(0.5, 2) * _interp_log(t, [(1, rng.uniform(1.5, 2.2)), (onset - int(rng.integers(5, 16)), 1.0),
+                                                      (onset, 1.0), (onset + mid * rng.uniform(0.8, 1.2), kl_mid),
+                                                      (onset + top, kl_mid * rng.uniform(1.5, 2.0))])
+    acc0 = rng.uniform(0.75, 0.88)
+    acc = np.interp(t, [1, 20, onset + fall, onset + fall + cross, onset + fall + cross + 10],
+                    [acc0 - 0.1, acc0, acc0, 0.5, 0.2])
+    grad = np.ones(n)
+    spikes = sorted(onset + int(rng.integers(0, 21)) for _ in range(int(rng.integers(1, 3))))
+    for at in spikes:
+        grad[at - 1] *= rng.uniform(2, 4)
+    co = _cosignals(rng, t, entropy=_interp_log(t, [(onset, 1.0), (onset + top, rng.uniform(0.85, 1.0))]), grad=grad)
+    return _new_trace(rng, name, "O", "fire", f"O: flat {plateau:.0f}, noise {cv:.0%}, climb from {onset} "
+                      f"(~1.5x at +{mid:.0f}, ~2x at +{top:.0f}), k3 x{kl_mid:.1f} with it, grad-norm spikes at "
+                      f"{spikes}, accuracy {acc0:.2f} falling from +{fall}", level, cv, cap, acc, co, onset=onset,
+                      k3=_noisy_k3(rng, k3), batch=int(rng.integers(64, 129)))
+
+
+def class_p(rng, name) -> Trace:
+    """Healthy twin: a GRPO run that learns steadily (batch accuracy high and noisy, entropy low and
+    flat, grad norm flat) with a long-tailed length: single steps +20-30 % that revert the next step,
+    the level drifting up slowly (1.15-1.25x over 25-40 steps, two to four times), and two to four
+    steps where the length jumps +35-55 % while that step's batch accuracy dips by 0.15-0.25 (long
+    answers are more often wrong or cut off), both back the next step."""
+    plateau, cv, n = rng.uniform(300, 800), rng.uniform(0.05, 0.08), int(rng.integers(200, 301))
+    t = np.arange(1, n + 1)
+    knots, at, ends = [(1, 1.0)], int(rng.integers(20, 41)), []
+    factor = 1.0
+    for _ in range(int(rng.integers(2, 5))):
+        if at + 45 > n:
+            break
+        dur = int(rng.integers(25, 41))
+        knots.append((at, factor))
+        factor *= rng.uniform(1.15, 1.25)
+        knots.append((at + dur, factor))
+        ends.append(at + dur)
+        at += dur + int(rng.integers(10, 41))
+    level = plateau * _interp_log(t, knots)
+    spike = np.where(rng.random(n) < 0.12, rng.uniform(1.2, 1.3, n), 1.0)
+    spike[1:][spike[:-1] > 1] = 1.0  # single steps: each spike is back the next step
+    big = sorted({int(np.clip(e + rng.integers(-6, 4), 25, n - 2)) for e in ends[:int(rng.integers(2, 5))]})
+    dips = np.zeros(n)
+    for s in big:
+        spike[s - 2:s + 1] = 1.0  # a single step: the steps around it are not spikes
+        spike[s - 1], dips[s - 1] = rng.uniform(1.35, 1.55), rng.uniform(0.15, 0.25)
+    cap = plateau * factor * rng.uniform(3, 4)
+    acc0 = rng.uniform(0.7, 0.85)
+    acc = acc0 + rng.uniform(0.03, 0.08) * t / n
+    co = _cosignals(rng, t)
+    tr = _new_trace(rng, name, "P", "no_fire", f"P: {n} steps, {plateau:.0f} tokens, noise {cv:.0%}, drift to "
+                    f"x{factor:.2f}, one-step spikes with a score dip at {big}", level * spike, cv, cap, acc, co,
+                    batch=int(rng.integers(64, 129)))
+    # the batch's composition: a long batch scores lower in the same step (more wrong or cut-off answers)
+    tr.score = np.round(np.clip(tr.score - dips - 0.4 * np.log(spike) * (dips == 0), 0, 1), 4)
+    return tr
+
+
+def class_q(rng, name) -> Trace:
+    """Healthy twin: a flat length that drifts up slowly and noisily (1.3-1.7x over 20-40 steps, then
+    holds) with a flat mismatch KL, the entropy flat or falling slightly, a grad-norm spike or two and
+    the batch accuracy high and noisy, not falling."""
+    plateau, cv = rng.uniform(300, 700), rng.uniform(0.06, 0.10)
+    onset, dur = int(rng.integers(60, 121)), int(rng.integers(20, 41))
+    n = onset + dur + int(rng.integers(60, 121))
+    t = np.arange(1, n + 1)
+    wobble = np.exp(np.where(t > onset, 0.04 * rng.standard_normal(n), 0.0))
+    level = plateau * wobble * _interp_log(t, [(onset, 1.0), (onset + dur, rng.uniform(1.3, 1.7))])
+    cap = plateau * rng.uniform(2.8, 3.5)
+    acc0 = rng.uniform(0.75, 0.88)
+    acc = np.interp(t, [1, 20, n], [acc0 - 0.1, acc0, acc0 + rng.uniform(0, 0.05)])
+    grad = np.ones(n)
+    for _ in range(int(rng.integers(1, 3))):
+        grad[onset + int(rng.integers(0, 21)) - 1] *= rng.uniform(2, 4)
+    co = _cosignals(rng, t, entropy=_interp_log(t, [(onset, 1.0), (onset + dur, rng.uniform(0.85, 1.0))]), grad=grad)
+    return _new_trace(rng, name, "Q", "no_fire", f"Q: flat {plateau:.0f}, noise {cv:.0%}, drift from {onset} over "
+                      f"{dur} steps, flat k3, accuracy {acc0:.2f}", level, cv, cap, acc, co,
+                      k3=_noisy_k3(rng, np.full(n, 5e-4 * rng.uniform(0.5, 2))), batch=int(rng.integers(64, 129)))
+
+
 SCORE_FORMS = ("dense", "every", "filled", "none")
 
 
@@ -469,7 +579,7 @@ def traces(seeds=SEEDS, classes=CLASSES) -> list[Trace]:
                 rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
                 make = {"A": class_a, "B": class_b, "C": class_c, "D": class_d, "E": class_e, "G": class_g,
                         "H": class_h, "I": class_i, "J": class_j, "K": class_k, "L": class_l, "M": class_m,
-                        "N": class_n}
+                        "N": class_n, "O": class_o, "P": class_p, "Q": class_q}
                 out.append(class_f(rng, name, v) if cls == "F" else make[cls](rng, name))
     return out
 
