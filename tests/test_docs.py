@@ -339,7 +339,7 @@ STEP_CLAIMS = [
     ("docs/testing.md", r"`save_freq=(\d+)`, the run only monitoring", ("const", E2E + "test_guard_e2e.py", "SAVE_FREQ")),
     ("docs/testing.md", r"`--only fp32 bf16\s+--steps (\d+)`", ("argv", E2E + "test_demo_admit.py", "--steps")),
     ("docs/testing.md", r"the same order over (\d+) steps", ("const", E2E + "test_mismatch_e2e.py", "BF16_STEPS")),
-    ("docs/testing.md", r"alone after a (\d+)-step warm start", ("argv", E2E + "test_repro_ci.py", "--sft-steps")),
+    ("docs/testing.md", r"alone after a (\d+)-step warm start", ("argv", "tests/research/test_repro_ci.py", "--sft-steps")),
     ("docs/testing.md", r"small form \((\d+)-step warm start", ("const", "scripts/research/repro/all.py", "CI_SFT_STEPS")),
     ("docs/testing.md", r"for (\d+) steps each with verl's vLLM", ("const", "scripts/research/repro/all.py", "CI_STEPS")),
     ("docs/testing.md", r"with bf16 sampling and a provoked surge \((\d+) steps", ("const", E2E + "test_vllm_e2e.py", "N_STEPS")),
@@ -364,7 +364,7 @@ STEP_CLAIMS = [
     ("scripts/research/repro/README.md", r"issue 6's table \(6 arms x 3 seeds x (\d+) steps\)", ("const", "scripts/research/repro/all.py", "STEPS", "noise")),
     ("scripts/research/repro/README.md", r"the small form \((\d+)-step warm start", ("const", "scripts/research/repro/all.py", "CI_SFT_STEPS")),
     ("scripts/research/repro/README.md", r"bp_ls_surge x (\d+) steps\)", ("const", "scripts/research/repro/all.py", "CI_STEPS")),
-    ("scripts/research/repro/README.md", r"--ci --arms bp_ls_surge\s+--sft-steps (\d+)", ("argv", E2E + "test_repro_ci.py", "--sft-steps")),
+    ("scripts/research/repro/README.md", r"--ci --arms bp_ls_surge\s+--sft-steps (\d+)", ("argv", "tests/research/test_repro_ci.py", "--sft-steps")),
 ]
 
 

@@ -15,7 +15,7 @@ traces of ``--real DIR`` (default ``../shared/traces``; read-only, fed as logged
 - ``cusum, no KL``: the same without the mismatch KL (a verl run without mismatch figures: what
   ``lrstab replay`` finds in most logs);
 - ``cusum, length only``: the same without the co-signals (what a run without score sees);
-- ``ratio``: ``replay`` with ``detector: ratio`` (the rule before v2, default options);
+- ``ratio``: ``replay`` with ``detector: ratio`` (the first, simpler rule, default options);
 - ``z-score``: rolling z-score of the raw length, previous 50 observations (at least 10), z > 4;
 - ``trailing ratio``: mean of the last 5 observations >= 1.5 x the mean of the 50 before them;
 - ``3x-first-50``: baseline = mean over the steps <= 50; the first later value > 3x baseline.
