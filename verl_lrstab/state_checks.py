@@ -123,7 +123,7 @@ def check_schedule_state(state: Any, step: Optional[int] = None) -> None:
     if not isinstance(detector, dict):
         c.fail("detector", detector, "a mapping")
     cls = CusumDetector if kind == "cusum" else SurgeDetector
-    optional = {k.lstrip("_") for k in getattr(cls, "_STATE_V4", {})}  # absent from older checkpoints
+    optional = {k.lstrip("_") for k in getattr(cls, "_STATE_OPTIONAL", {})}  # absent from older checkpoints
     fresh = cls().state_dict()
     for key, empty in fresh.items():
         name = f"detector.{key}"
