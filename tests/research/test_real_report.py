@@ -113,10 +113,10 @@ def test_block_medians_cover_the_run_in_blocks_of_the_asked_size(pilot):
     assert text.splitlines()[0].startswith("| steps | length |") and "| 21-40 | 525 |" in text
 
 
-def test_real_pilot_4s_climb_back_after_its_length_collapse_is_no_surge_for_detector_v3_1():
+def test_real_pilot_4s_climb_back_after_its_length_collapse_is_no_surge_for_the_default_detector():
     """The committed log of real-model pilot 4 (verl's main_ppo, SmolLM2-135M, LR 3e-5): its length fell
-    from ~45 to ~23 tokens and climbed back to ~30-40 from step 82 while k3 doubled. Detector v3 in
-    the trainer fired at step 84; replayed on the very figures the trainer fed it, v3.1 does not."""
+    from ~45 to ~23 tokens and climbed back to ~30-40 from step 82 while k3 doubled. The detector the
+    run was trained with fired at step 84; replayed on the very figures the trainer fed it, today's does not."""
     from verl_lrstab.config import LengthSurgeConfig
     from verl_lrstab.runs import load_run, metric_series
     from verl_lrstab.schedule import replay
@@ -125,7 +125,7 @@ def test_real_pilot_4s_climb_back_after_its_length_collapse_is_no_surge_for_dete
     fed = {k: metric_series(df, f"actor/lrstab/{k}") for k in ("response_length", "mismatch_kl", "score", "clip_ratio",
                                                                "surge_step", "cusum")}
     steps = fed["response_length"].index
-    assert fed["surge_step"].loc[84] == 84 and (fed["surge_step"].loc[:83] == -1).all()  # v3, in the trainer
+    assert fed["surge_step"].loc[84] == 84 and (fed["surge_step"].loc[:83] == -1).all()  # the detector of that run, in the trainer
     result = replay(steps.tolist(), fed["response_length"].tolist(), LengthSurgeConfig(),
                     **{k: fed[k].reindex(steps).tolist() for k in ("mismatch_kl", "score", "clip_ratio")})
     # the replay is the trainer's detector on the trainer's figures: the same CUSUM up to the fire
@@ -133,7 +133,7 @@ def test_real_pilot_4s_climb_back_after_its_length_collapse_is_no_surge_for_dete
     assert result.surge_step is None
 
 
-# -- the dose-response report (issue 32) ---------------------------------------------------------
+# -- the dose-response report ---------------------------------------------------------
 def dose_run(root: Path, monkeypatch, name: str, k3, lr: float, **info) -> Path:
     from verl.utils.tracking import Tracking
 

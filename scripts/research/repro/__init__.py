@@ -1,1 +1,1 @@
-"""CPU-scale reproduction of the length-surge collapse and of the LR-decay fix (issue 6)."""
+"""CPU-scale reproduction of the length-surge collapse and of the LR-decay fix."""

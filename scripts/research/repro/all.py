@@ -5,7 +5,7 @@ Usage:
     python scripts/research/repro/all.py                 # full: 8000-step warm start, 6 bypass-recipe arms x 3 seeds x 100 steps
     python scripts/research/repro/all.py --ci            # CI: 600-step warm start, bp_const + bp_ls_surge, 1 seed, 12 steps
     python scripts/research/repro/all.py --arms bp_const recompute --seeds 1 2 --steps 100
-    python scripts/research/repro/all.py --recipe noise  # issue 6's table (transformers rollout, injected weight noise)
+    python scripts/research/repro/all.py --recipe noise  # the noise recipe's table (transformers rollout, injected weight noise)
 
 After each bypass-recipe run, evaluate.py scores its checkpoints in fp32 (the table's validation).
 A run whose ``run.json`` says it finished is not run again (delete its directory to redo it).

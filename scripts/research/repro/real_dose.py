@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Dose-response of the real model's mismatch (issue 32; the paper's Fig. 4 analogue): k3 against the LR.
+"""Dose-response of the real model's mismatch (the paper's Fig. 4 analogue): k3 against the LR.
 
 Usage: python scripts/research/repro/real_dose.py [RUN_DIR ...] [--out outputs/repro/real/report]
 

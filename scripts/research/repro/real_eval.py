@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""fp32 validation of a real-model pilot's checkpoints (issue 25): the trainer's weights, not the sampler's.
+"""fp32 validation of a real-model pilot's checkpoints: the trainer's weights, not the sampler's.
 
 Each ``checkpoints/global_step_N/actor/huggingface`` of a ``real_pilot.py`` run (saved every 10
 steps), and the base model as step 0, sample the first ``--n`` validation word problems

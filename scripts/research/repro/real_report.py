@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The real-model pilots' table and figure (issue 25): what each ``real_pilot.py`` run shows.
+"""The real-model pilots' table and figure: what each ``real_pilot.py`` run shows.
 
 Usage: python scripts/research/repro/real_report.py [RUN_DIR ...] [--out outputs/repro/real/report] [--block 20] [--no-archive]
 
@@ -203,9 +203,9 @@ def main(argv=None) -> int:
     (args.out / "timing.md").write_text(steps + "\n")
     print(steps)
     print(args.out / "timing.md")
-    real_dose.report(runs, args.out)  # the dose-response runs among them (issue 32): dose.md, dose.png
-    real_controls.report(runs, args.out)  # each control against its reference (issue 32): controls.md, .png
-    real_stage0.report(runs, args.out)  # stage 0's go / no-go (issue 32): stage0.md, stage0.png
+    real_dose.report(runs, args.out)  # the dose-response runs among them: dose.md, dose.png
+    real_controls.report(runs, args.out)  # each control against its reference: controls.md, .png
+    real_stage0.report(runs, args.out)  # stage 0's go / no-go: stage0.md, stage0.png
     return 0
 
 

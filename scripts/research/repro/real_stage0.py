@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Stage 0 of issue 32 on the real model: does a length surge follow learning? The pre-registered go / no-go.
+"""Stage 0 on the real model: does a length surge follow learning? The pre-registered go / no-go.
 
 Usage: python scripts/research/repro/real_stage0.py [RUN_DIR ...] [--out outputs/repro/real/report]
 
@@ -186,7 +186,7 @@ def figure(pairs: list[tuple[Path, list[tuple[Path, str]]]], path: Path) -> Path
     axes[0].legend(fontsize=7)
     axes[2].set_yscale("log")
     axes[-1].set_xlabel("RL step (thick: 5-step median; dashed: the detector's surge step)")
-    fig.suptitle("Stage 0 (issue 32): a surge that follows learning?\nSmolLM2-135M-Instruct, bypass mode, vLLM-CPU bf16")
+    fig.suptitle("Stage 0: a surge that follows learning?\nSmolLM2-135M-Instruct, bypass mode, vLLM-CPU bf16")
     return save_figure(fig, path)
 
 
@@ -208,7 +208,7 @@ def report(candidates: list[Path], out: Path) -> Path | None:
                  "the highest 5-step median after step 10 over the median of steps 1-10 (bypass mode: the update's "
                  "`actor/entropy_loss`; recompute: `actor/entropy`); k3: medians of steps 1-10 and of the last 10 "
                  "steps.\n\n" + _markdown(pd.DataFrame(readings).set_index("run")) + "\n")
-        # the controls' table of issue 32 (fp32 validation, length, k3, zero-gradient share), each run over all
+        # the controls' table (fp32 validation, length, k3, zero-gradient share), each run over all
         # the steps it logged: figures beside the reading, no second verdict
         table = [control_row(d) for d, cs in pairs if cs] + [control_row(c) for c in controls]
         text += ("\nEach run and its controls over all the steps each logged (fp32 validation by "

@@ -5,8 +5,8 @@ Usage:
     python scripts/research/repro/run.py --arm bp_const --seed 1 [--steps 100] [--lr 5e-4] [--sampler bf16] [--sampler-temperature 1.3] [--grader strict] [overrides ...]
     python scripts/research/repro/run.py --recipe noise --arm const --seed 1 [--steps 150] [--noise 0.3] [overrides ...]
 
-Two recipes: ``bypass`` (issue 13, the default: verl's vLLM rollout in bf16, bypass mode,
-``bypass_arms.py``) and ``noise`` (issue 6's table: the transformers rollout with injected weight
+Two recipes: ``bypass`` (the default: verl's vLLM rollout in bf16, bypass mode,
+``bypass_arms.py``) and ``noise`` (the noise recipe's table: the transformers rollout with injected weight
 noise, ``arms.py``). Writes ``outputs/repro/runs/<arm>-s<seed>/metrics.jsonl`` (verl's file
 logger), the log next to it, and ``run.json`` (recipe, overrides, wall time, return code).
 """
