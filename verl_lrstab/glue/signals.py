@@ -17,6 +17,7 @@ from typing import Iterable, NamedTuple, Optional
 import torch
 
 from verl_lrstab import mismatch
+from verl_lrstab._numbers import finite_float
 from verl_lrstab.collective import Part, all_reduce_or_none, reduce_or_none
 from verl_lrstab.glue.wraps import Check, VerlShapeError
 
@@ -266,10 +267,11 @@ def _finite_values(value) -> list[float]:
     if isinstance(value, (list, tuple)):
         return [v for item in value for v in _finite_values(item)]
     try:
-        v = float(value.item() if hasattr(value, "item") else value)
-    except (TypeError, ValueError, RuntimeError):
+        value = value.item() if hasattr(value, "item") else value
+    except (TypeError, ValueError, RuntimeError):  # a tensor of several values is no figure
         return []
-    return [v] if v == v and abs(v) != float("inf") else []
+    v = finite_float(value)
+    return [] if v is None else [v]
 
 
 def update_figure_stats(output) -> torch.Tensor:
