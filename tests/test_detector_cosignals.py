@@ -33,13 +33,16 @@ NAMES = {phenomena.ENTROPY: "entropy", phenomena.GRAD_NORM: "grad_norm", phenome
          phenomena.PG_CLIPFRAC: "pg_clipfrac"}
 
 
-def run(tr, score_form="dense", co_form="dense", every=4, drop=(), order="after", det=None):
-    """Feed a phenomena run: its score and co-signals in :func:`phenomena.sparse_score` forms; the firing steps."""
+def run(tr, score_form="dense", co_form="dense", every=4, drop=(), order="after", det=None, rows_every=1):
+    """Feed a phenomena run: its score and co-signals in :func:`phenomena.sparse_score` forms, every
+    column on every ``rows_every``-th step only (a log written every few steps); the firing steps."""
     det = det or CusumDetector()
     score = phenomena.sparse_score(tr.score, score_form, 10)
     co = {NAMES[k]: phenomena.sparse_score(v, co_form, every) for k, v in tr.cosignals.items() if NAMES[k] not in drop}
     fired = []
     for i, s in enumerate(tr.steps):
+        if (s - 1) % rows_every:
+            continue
         figures = {k: v[i] for k, v in co.items()}
         if order == "before":
             det.observe(s, **figures)
@@ -399,6 +402,20 @@ def test_a_mismatch_kl_rising_with_a_slow_surge_decides_no_later_than_the_length
         assert fired and tr.onset <= fired[0] <= tr.crash - 10, (tr.name, fired, tr.onset, tr.crash)
         gaps.append(fired[0] - alone[0])
     assert statistics.median(gaps) <= 0, gaps
+
+
+@pytest.mark.parametrize("rows_every", [5, 10])
+def test_a_mismatch_kl_rising_with_a_slow_surge_decides_with_the_length_alone_in_a_sparse_log(rows_every):
+    # class O logged every 5 or 10 steps: k3's "now" is its last 2 rows and the alarm's row decides, so
+    # the KL confirms where the length alone fires rather than waiting rows for the score's fall
+    gaps = []
+    for tr in phenomena.traces(seeds=range(12), classes="O"):
+        fired = run(tr, rows_every=rows_every)
+        det = CusumDetector()
+        alone = [s for i, s in enumerate(tr.steps) if not (s - 1) % rows_every and det.update(s, tr.length[i])]
+        if fired and alone:
+            gaps.append(fired[0] - alone[0])
+    assert len(gaps) >= 8 and statistics.median(gaps) <= 0, gaps
 
 
 def test_one_step_spikes_with_a_same_step_score_dip_never_fire_in_a_learning_run():
