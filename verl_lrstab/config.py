@@ -110,11 +110,10 @@ class LengthSurgeConfig:
             is this multiple of its baseline and the run never was that long before (> 1): the
             paper's 3-4x surge may come with a rising score. Default 2.5.
         cusum_spike_rise (float): cusum: a **one-step spike** is a length at least this multiple
-            of the rows before and after it (a single long batch, back the next row, > 1): it is
-            no part of the level (adjacent steps), and a score dip on it, or on a newest row this
-            multiple of the row before (known to revert only at the next row), never confirms an
-            alarm (long answers are more often wrong or cut off: the batch's composition, not a
-            trend) unless the mismatch KL jumped on that row too. Default 1.2.
+            of the steps before and after it (a single long batch, back the next step, > 1): it is
+            no part of the level, and a score dip on it, or on a newest step this multiple of the
+            step before (known to revert only at the next step), never confirms an alarm (long answers
+            are more often wrong or cut off: the batch's composition, not a trend). Default 1.2.
         max_surges (int): how many surges the detector reports per run. Default 1. The
             schedule always follows the first one; later ones are only reported.
         mismatch_budget (float | None): fixed budget on the mismatch KL for the mismatch

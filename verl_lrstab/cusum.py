@@ -30,14 +30,13 @@ Two stages, every decision from data up to the current step only:
    **The mismatch KL risen with the length** confirms too: k3 grown over the alarm's own
    baseline window at least as much as the length (and ``KL_WITH_MIN`` x), in the alarm's first
    5 steps, while the length is up (k3 "now": its last 5 steps, at least 2 rows, against a
-   stricter bar from fewer than 5); so a slow surge whose k3 rises with it decides no later than
+   stricter bar from fewer than 5 rows); so a slow surge whose k3 rises with it decides no later than
    the length alone, even where k3 settled from a higher early level (the steps 30-60 back).
-   **One-step spikes**: a length ``spike_rise`` x the rows before and after it (a single long
-   batch, back the next row) is no part of the level (adjacent steps only), and a score
-   observation on it, or on a newest row ``spike_rise`` x the row before (whether it reverts is
-   known at the next row), never confirms: long answers are more often wrong or cut off, so a
-   same-step score dip on a long batch is the batch's composition, not a trend; unless the
-   mismatch KL jumped on that row too (``kl_rise`` x its baseline), which composition does not explain.
+   **One-step spikes**: a length ``spike_rise`` x the steps before and after it (a single long
+   batch, back the next step) is no part of the level, and a score observation on it, or on a
+   newest step ``spike_rise`` x the step before (whether it reverts is known at the next step), never
+   confirms: long answers are more often wrong or cut off, so a same-step score dip on a long
+   batch is the batch's composition, not a trend.
 3. **Runaway.** Whatever the co-signals say, an armed alarm fires once the level reaches
    ``runaway_rise`` x the alarm's baseline and the run was not that long before (not a rebound):
    the paper's surge (1000 -> 3000-4000 tokens within a few steps, METHOD.md) may come with a
@@ -151,10 +150,9 @@ class CusumDetector:
         clip_rise (float): clip-ratio increase that confirms an alarm. Default 0.25.
         runaway_rise (float): an armed alarm fires, whatever the co-signals, once the level is
             this multiple of the alarm's baseline (and not a rebound). Default 2.5.
-        spike_rise (float): a length at least this multiple of the rows before and after it is a
+        spike_rise (float): a length at least this multiple of the steps before and after it is a
             one-step spike: no part of the level, and no score observation of it (nor of a newest
-            row this multiple of the row before, below ``runaway_rise``) confirms an alarm unless the
-            mismatch KL jumped there too. Default 1.2.
+            step this multiple of the step before) confirms an alarm. Default 1.2.
         max_surges (int): surges reported at most. Default 1.
     """
 
@@ -365,47 +363,18 @@ class CusumDetector:
         return out
 
     def _jumped(self, step: int) -> bool:
-        """The length of ``step`` (the newest row) is ``spike_rise`` x the row before's: whether it reverts
-        (a one-step spike, or a one-row spike of a sparse log) is known only at the next row."""
+        """The length of ``step`` (the newest row) is ``spike_rise`` x the step before's: whether it reverts
+        (a one-step spike) is known only at the next step."""
         rows = self._log
-        return len(rows) >= 2 and rows[-1][0] == step and self._spiked(rows[-1][1] - rows[-2][1])
+        return (len(rows) >= 2 and rows[-1][0] == step and rows[-2][0] == step - 1
+                and rows[-1][1] - rows[-2][1] >= math.log(self.spike_rise))
 
-    def _kl_jumped(self, step: int) -> bool:
-        """The mismatch KL of ``step`` is ``kl_rise`` x its median over the baseline window: the engines
-        disagree on this batch, which a long batch's composition does not explain."""
-        if not self._kl or self._kl[-1][0] != step:
-            return False
-        ref = self._ref(self._kl, step - self.lag - self.span, step - self.lag)[0]
-        return ref > 0 and self._kl[-1][1] >= self.kl_rise * ref
-
-    def _spiked(self, rise: float) -> bool:
-        # a long batch's composition: spike_rise x or more, below runaway_rise x (a 10x batch is no long tail)
-        return math.log(self.spike_rise) <= rise < math.log(self.runaway_rise)
-
-    def _one_row_spikes(self) -> set:
-        """Rows whose length is ``spike_rise`` x both neighbouring rows, whatever the steps between them.
-
-        In a log written every few steps such a row may be a short excursion rather than one batch,
-        so it stays part of the level (:meth:`_one_step_spikes`), but its score is still the score of
-        that one long batch: a dip there is the batch's composition whether or not the run surges.
-        """
-        rows = self._log
-        return {s1 for (_, y0), (s1, y1), (_, y2) in zip(rows, rows[1:], rows[2:])
-                if self._spiked(y1 - y0) and y1 - y2 >= math.log(self.spike_rise)}
-
-    def _composition_free_score(self, step: int, sparse_only: bool = False) -> list:
-        """The score's observations less those of one-row spikes and of a newest row whose length just
-        jumped: a score is never confirmed by a same-step dip on a long batch alone.
-
-        ``sparse_only``: only rows more than one step after the row before them count as spikes.
-        """
-        rows = self._log
-        drop = self._one_row_spikes()
-        if self._jumped(step) and not self._kl_jumped(step):
+    def _composition_free_score(self, step: int) -> list:
+        """The score's observations less those of one-step spikes and of a newest step whose length just
+        jumped: a score is never confirmed by a same-step dip on a long batch alone."""
+        drop = self._one_step_spikes()
+        if self._jumped(step):
             drop.add(step)
-        if sparse_only:
-            gaps = {s1: s1 - s0 for (s0, _), (s1, _) in zip(rows, rows[1:])}
-            drop = {s for s in drop if gaps.get(s, 1) > 1}
         return [r for r in self._score if r[0] not in drop] if drop else self._score
 
     def _runaway(self, alarm: dict) -> bool:
@@ -506,12 +475,9 @@ class CusumDetector:
             return False
         if self._up(step, w, fresh=True) >= COSIGNAL_VOTES and not self._score_rising(step, w):
             return True  # two of verl's co-signals risen with the return, the score not rising: a surge
-        # a rebound is fast (its score collapses in the steps of the return): in a dense log its first
-        # step decides; a row of a sparse log that just jumped may be one long batch, known at the next row
-        score = self._composition_free_score(step, sparse_only=True)
-        if not w["score_n"] or not score or not w["score_ref"] > 0:
+        if not w["score_n"] or not self._score or not w["score_ref"] > 0:
             return False
-        now = score[-1][1]  # its latest observation: a fall to 60 % is no noise (at 7 units too)
+        now = self._score[-1][1]  # its latest observation: a fall to 60 % is no noise (at 7 units too)
         unit = MEDIAN_SD * w["score_noise"] * math.sqrt(1 + 1 / w["score_n"])
         return now <= COLLAPSE_SHARE * w["score_ref"] and (w["score_ref"] - now) / unit >= COLLAPSE_Z * self.score_z
 
@@ -559,7 +525,7 @@ class CusumDetector:
         old_unit = MEDIAN_SD * a["score_noise"] * math.sqrt(1 / n_now + 1 / a["score_old_n"]) if a["score_old_n"] else 0
         if ((top - now) / unit >= self.score_z * a["z_factor"] or
                 (old_unit and (a["score_old"] - now) / old_unit >= self.score_z * a["z_factor"])) and \
-                not (self._jumped(step) and not self._kl_jumped(step)):
+                not self._jumped(step):
             # the score falls while the length is up: the pre-collapse signature (not on a row whose
             # length just jumped: whether that is a one-step spike is known at the next row)
             return "score"
@@ -582,13 +548,13 @@ class CusumDetector:
         higher early level over those steps, and the alarm would wait for the score to fall instead.
         """
         ref = a.get("kl_with_ref", _NAN)
-        # k3 now and the alarm's first steps as the level counts them: the last NOW_STEPS steps, at
-        # least LEVEL_ROWS rows (a log written every 5-10 steps has one row there)
+        # k3 "now" as the level counts it: the last NOW_STEPS steps, at least LEVEL_ROWS rows (a log
+        # written every 5-10 steps has one row there); from fewer than KL_ROWS observations, a noisier
+        # median, the bar is stricter (the dense rule's chance rate, as for a sparse co-signal's fresh row)
         kl_now, n_now = self._recent(self._kl, step, rows_min=LEVEL_ROWS)
-        early = step - a["step"] < NOW_STEPS
-        # fewer than KL_ROWS observations: a noisier median, a stricter bar (the dense rule's chance rate)
         bar = KL_WITH_MIN if n_now >= KL_ROWS else KL_WITH_MIN ** SINGLE_RISE_POWER
-        return ref > 0 and self.ratio >= self.min_rise and early and kl_now / ref >= max(self.level / a["baseline"], bar)
+        return (ref > 0 and self.ratio >= self.min_rise and step - a["step"] < NOW_STEPS
+                and kl_now / ref >= max(self.level / a["baseline"], bar))
 
     def _kl_or_clip(self) -> Optional[str]:
         if self.kl_ratio >= self.kl_rise or self.kl_with_length:
