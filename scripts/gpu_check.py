@@ -85,7 +85,7 @@ def _glue_figures(data, group, cap: int) -> dict:
     from verl_lrstab import mismatch
     from verl_lrstab.glue import signals
 
-    length, score, stats = signals.measure_batch(data, group, cap=cap)
+    length, score, stats, _ = signals.measure_batch(data, group, cap=cap)
     figures = mismatch.finalize(stats)
     out = {"length/sum": None, "length/count": None, "length/at_cap": None, "score/sum": None, "score/count": None}
     if length is not None:

@@ -314,7 +314,8 @@ def _verl_output(metrics):
 def test_the_worker_feeds_verls_update_figures_to_the_detector_and_logs_them():
     from verl.utils import tensordict_utils as tu
 
-    from verl_lrstab.glue.steps import finish_update, state_of
+    from verl_lrstab.glue.cosignals import finish_update
+    from verl_lrstab.glue.steps import state_of
     from verl_lrstab.schedule import UpdateFigures
 
     sched = _scheduler()
@@ -322,9 +323,10 @@ def test_the_worker_feeds_verls_update_figures_to_the_detector_and_logs_them():
     sched.step()  # update 1 fed (what verl's engine does inside the update)
     first = _verl_output({"grad_norm": [0.5, 0.7], "kl_loss": [2e-3, 4e-3], "actor/pg_clipfrac": [0.01, 0.03],
                           "actor/pg_loss": [0.1, 0.2]})
-    assert finish_update(sched, state_of(sched), first, False, {}) is first  # an early update of the step: summed
+    sums = state_of(sched).cosignals
+    assert finish_update(sched, sums, first, False, {}) is first  # an early update of the step: summed
     second = _verl_output({"grad_norm": [float("nan"), 0.9], "actor/pg_clipfrac": [0.02]})  # a NaN norm: left out
-    out = finish_update(sched, state_of(sched), second, True, {})
+    out = finish_update(sched, sums, second, True, {})
     det = sched.schedule.detector
     assert det._co["grad_norm"] == [[1, pytest.approx(0.7)]]  # (0.5 + 0.7 + 0.9) / 3, under the step just fed
     assert det._co["kl_loss"] == [[1, pytest.approx(3e-3)]]
@@ -332,7 +334,7 @@ def test_the_worker_feeds_verls_update_figures_to_the_detector_and_logs_them():
     metrics = tu.get(out, "metrics")
     assert metrics["lrstab/grad_norm"] == [pytest.approx(0.7)] and "lrstab/entropy" not in metrics
     # a rank without verl's output (not a model-parallel source rank) and none anywhere: nothing fed
-    assert finish_update(sched, state_of(sched), None, True, {}) is None
+    assert finish_update(sched, sums, None, True, {}) is None
     assert len(det._co["grad_norm"]) == 1
 
 
@@ -341,7 +343,8 @@ def _glue_rank(rank, world_size, init_file, out_file):
 
     import torch.distributed as dist
 
-    from verl_lrstab.glue.steps import finish_update, state_of
+    from verl_lrstab.glue.cosignals import finish_update
+    from verl_lrstab.glue.steps import state_of
     from verl_lrstab.schedule import UpdateFigures
 
     logging.getLogger("verl_lrstab").setLevel(logging.ERROR)
@@ -351,7 +354,7 @@ def _glue_rank(rank, world_size, init_file, out_file):
     sched.step()
     # only rank 0 holds verl's metrics (a model-parallel source rank); already gathered over its DP group
     output = _verl_output({"grad_norm": [0.4, 0.6], "kl_loss": [1e-3]}) if rank == 0 else None
-    finish_update(sched, state_of(sched), output, True, {})
+    finish_update(sched, state_of(sched).cosignals, output, True, {})
     with open(f"{out_file}.{rank}", "w") as f:
         json.dump(sched.schedule.detector._co, f)
     dist.destroy_process_group()

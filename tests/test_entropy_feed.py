@@ -64,9 +64,9 @@ def verl_output(entropy):
 
 
 def test_the_stats_are_verls_masked_token_mean_of_the_response_entropy():
-    from verl_lrstab.glue import signals
+    from verl_lrstab.glue import cosignals
 
-    total, count = signals.old_log_prob_entropy_stats(verl_output(engine_entropy()), driver_batch()).tolist()
+    total, count = cosignals.old_log_prob_entropy_stats(verl_output(engine_entropy()), driver_batch()).tolist()
     assert count == sum(map(sum, MASK))
     assert total / count == pytest.approx(EXPECTED, rel=1e-12)
 
@@ -81,9 +81,9 @@ def v1_batch():
 
 
 def test_v1s_nested_batch_gives_the_same_mean():
-    from verl_lrstab.glue import signals
+    from verl_lrstab.glue import cosignals
 
-    total, count = signals.old_log_prob_entropy_stats(verl_output(engine_entropy()), v1_batch()).tolist()
+    total, count = cosignals.old_log_prob_entropy_stats(verl_output(engine_entropy()), v1_batch()).tolist()
     assert count == sum(map(sum, MASK)) and total / count == pytest.approx(EXPECTED, rel=1e-12)
 
 
@@ -92,34 +92,34 @@ def test_verls_own_driver_figure_agrees():
     from verl.trainer.ppo.core_algos import agg_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_lrstab.glue import signals
+    from verl_lrstab.glue import cosignals
 
     data = driver_batch()
     entropy = engine_entropy()
     verls = agg_loss(loss_mat=no_padding_2_padding(entropy, data).float(),
                      loss_mask=data["response_mask"].float(), loss_agg_mode="token-mean").item()
-    total, count = signals.old_log_prob_entropy_stats(verl_output(entropy), data).tolist()
+    total, count = cosignals.old_log_prob_entropy_stats(verl_output(entropy), data).tolist()
     assert total / count == pytest.approx(verls, rel=1e-6)
 
 
 def test_a_rank_without_outputs_or_without_entropy_adds_nothing():
     from verl.utils import tensordict_utils as tu
 
-    from verl_lrstab.glue import signals
+    from verl_lrstab.glue import cosignals
 
-    assert signals.old_log_prob_entropy_stats(None, driver_batch()).tolist() == [0.0, 0.0]
+    assert cosignals.old_log_prob_entropy_stats(None, driver_batch()).tolist() == [0.0, 0.0]
     no_entropy = tu.get_tensordict(tensor_dict={"log_probs": engine_entropy()}, non_tensor_dict={})
-    assert signals.old_log_prob_entropy_stats(no_entropy, driver_batch()).tolist() == [0.0, 0.0]
+    assert cosignals.old_log_prob_entropy_stats(no_entropy, driver_batch()).tolist() == [0.0, 0.0]
 
 
 def test_a_nan_token_is_left_out_not_spread():
-    from verl_lrstab.glue import signals
+    from verl_lrstab.glue import cosignals
 
     seqs = list(engine_entropy().unbind())
     seqs[0] = seqs[0].clone()
     seqs[0][PROMPT_LENS[0] - 1] = float("nan")  # the first response token of sequence 0 (value 1.0)
     entropy = torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
-    total, count = signals.old_log_prob_entropy_stats(verl_output(entropy), driver_batch()).tolist()
+    total, count = cosignals.old_log_prob_entropy_stats(verl_output(entropy), driver_batch()).tolist()
     assert count == sum(map(sum, MASK)) - 1
     assert total / count == pytest.approx((EXPECTED * 10 - 1.0) / 9)
 
@@ -166,33 +166,35 @@ def _pass(calculate_entropy: bool, compute_loss: bool = False):
 def test_the_old_log_prob_pass_feeds_the_detector_at_the_steps_last_update():
     from verl.utils import tensordict_utils as tu
 
-    from verl_lrstab.glue.steps import finish_update, state_of
+    from verl_lrstab.glue.cosignals import finish_update
+    from verl_lrstab.glue.steps import state_of
 
     sched = _scheduler()
     output = verl_output(engine_entropy())
     w = _wrapped_worker(sched, output)
     assert w.infer_batch(_pass(calculate_entropy=True)) is output and w.calls == 1  # verl's output, untouched
-    assert state_of(sched).entropy == pytest.approx(EXPECTED)
+    assert state_of(sched).cosignals.entropy == pytest.approx(EXPECTED)
     sched.observe_update(UpdateFigures(response_length=300.0))
     sched.step()
     # the update's own entropy (bypass / calculate_entropy) gives way to the old-log-prob pass's, verl's actor/entropy
     update = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"actor/entropy_loss": [7.0]}})
-    out = finish_update(sched, state_of(sched), update, True, {})
+    out = finish_update(sched, state_of(sched).cosignals, update, True, {})
     assert sched.schedule.detector._co["entropy"] == [[1, pytest.approx(EXPECTED)]]
     assert tu.get(out, "metrics")["lrstab/entropy"] == [pytest.approx(EXPECTED)]
-    assert state_of(sched).entropy is None  # used once: a later step without the pass feeds no stale value
+    assert state_of(sched).cosignals.entropy is None  # used once: a later step without the pass feeds no stale value
 
 
 def test_without_an_old_log_prob_pass_the_updates_own_entropy_is_fed():
     from verl.utils import tensordict_utils as tu
 
-    from verl_lrstab.glue.steps import finish_update, state_of
+    from verl_lrstab.glue.cosignals import finish_update
+    from verl_lrstab.glue.steps import state_of
 
     sched = _scheduler()
     sched.observe_update(UpdateFigures(response_length=300.0))
     sched.step()
     update = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"actor/entropy_loss": [0.8, 1.0]}})
-    finish_update(sched, state_of(sched), update, True, {})
+    finish_update(sched, state_of(sched).cosignals, update, True, {})
     assert sched.schedule.detector._co["entropy"] == [[1, pytest.approx(0.9)]]
 
 
@@ -204,7 +206,7 @@ def test_other_forward_passes_feed_nothing(calculate_entropy, compute_loss):
     sched = _scheduler()
     w = _wrapped_worker(sched, verl_output(engine_entropy()))
     w.infer_batch(_pass(calculate_entropy, compute_loss))
-    assert state_of(sched).entropy is None
+    assert state_of(sched).cosignals.entropy is None
 
 
 def test_a_run_without_length_surge_goes_straight_to_verl():
@@ -226,4 +228,4 @@ def test_a_broken_output_never_fails_the_pass(caplog):
     w = _wrapped_worker(sched, bad)
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
     assert w.infer_batch(_pass(calculate_entropy=True)) is bad
-    assert state_of(sched).entropy is None and "could not read the old-log-prob pass's entropy" in caplog.text
+    assert state_of(sched).cosignals.entropy is None and "could not read the old-log-prob pass's entropy" in caplog.text

@@ -12,8 +12,9 @@ from verl.workers.utils.padding import left_right_2_no_padding
 
 from verl_lrstab import mismatch
 from verl_lrstab.glue import driver
+from verl_lrstab.glue.cosignals import finish_update
 from verl_lrstab.glue.signals import BatchStats, measure_batch, response_lengths
-from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, finish_update, state_of
+from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, state_of
 
 PROMPT, RESP = 6, 8
 RESPONSE_LENS = [8, 3, 0, 5]  # one empty (aborted) response
@@ -111,6 +112,22 @@ def test_mismatch_on_v0_and_v1_layouts_equals_padded_reference():
     assert expected["mismatch/n_tokens"] == sum(RESPONSE_LENS)
 
 
+def test_bypass_mode_shows_only_in_bit_identical_log_probs():
+    from verl_lrstab.glue.signals import shows_bypass_mode
+
+    padded = padded_batch()
+    old, mask = padded["old_log_probs"], padded["response_mask"]
+    assert shows_bypass_mode(mismatch.compute_stats(old, old.clone(), mask))
+    near = old.clone()
+    near[0, 0] = torch.nextafter(near[0, 0], torch.tensor(0.0))  # one ulp on one token
+    assert not shows_bypass_mode(mismatch.compute_stats(old, near, mask))
+    assert not shows_bypass_mode(mismatch.compute_stats(old, old.clone(), torch.zeros_like(mask)))  # no token
+    assert not shows_bypass_mode(None)
+    assert not measure_batch(v0_worker_batch()).bypass
+    padded["rollout_log_probs"] = old.clone()  # verl's bypass mode: old_log_probs := rollout_log_probs
+    assert measure_batch(left_right_2_no_padding(DataProto.from_dict(tensors=padded).to_tensordict())).bypass
+
+
 def test_missing_rollout_log_probs_logs_nothing_and_names_the_key(caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
     monkeypatch.setattr(mismatch, "_warned", set())
@@ -123,11 +140,11 @@ def test_metrics_are_added_to_verl_output():
 
     sched = LengthSurgeLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-6), {"detector": "ratio"})
     output = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"lr": [1e-6], "loss": [0.5]}})
-    merged = tu.get(finish_update(sched, state_of(sched), output, True, {"mismatch/k3": 1e-4}), "metrics")
+    merged = tu.get(finish_update(sched, state_of(sched).cosignals, output, True, {"mismatch/k3": 1e-4}), "metrics")
     assert merged == {"lr": [1e-6], "loss": [0.5], "mismatch/k3": [1e-4],
                       **{key: [value] for key, value in sched.metrics().items()}}
     assert merged["lrstab/surge_step"] == [-1]
-    assert finish_update(sched, state_of(sched), None, True, {"x": 1}) is None  # ranks that do not report
+    assert finish_update(sched, state_of(sched).cosignals, None, True, {"x": 1}) is None  # ranks that do not report
 
 
 def test_v1_synthetic_padding_samples_are_left_out_like_verls_metrics():
@@ -328,7 +345,7 @@ def test_the_step_feeds_the_clip_ratio_over_its_updates():
 
 @pytest.mark.parametrize("tag,expected", [([0, 1, 0], (0, 1, False, 0)), ([1, 2, 1, 256], (1, 2, True, 256))])
 def test_step_position_carries_the_response_cap(tag, expected):
-    from verl_lrstab.glue.steps import step_position
+    from verl_lrstab.glue.worker import step_position
 
     assert step_position(tag) == expected
 

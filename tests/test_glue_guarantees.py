@@ -134,7 +134,7 @@ class Worker:
         self.engine = Engine(options)
 
 
-def v0_batch(lengths=(3, 5), rollout=True, tag=(0, 1, 0)):
+def v0_batch(lengths=(3, 5), rollout=True, tag=(0, 1, 0), bypass=False):
     rows, width = len(lengths), 8
     response_mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
     attention_mask = torch.cat([torch.ones(rows, 2, dtype=torch.int64), response_mask], 1)
@@ -143,8 +143,8 @@ def v0_batch(lengths=(3, 5), rollout=True, tag=(0, 1, 0)):
                "responses": torch.randint(3, 50, (rows, width)),
                "response_mask": response_mask, "old_log_probs": -torch.ones(rows, width),
                "token_level_scores": torch.ones(rows, width) * response_mask}
-    if rollout:
-        tensors["rollout_log_probs"] = tensors["old_log_probs"] - 0.01 * response_mask
+    if rollout:  # bypass mode: verl's old_log_probs are the rollout's
+        tensors["rollout_log_probs"] = tensors["old_log_probs"] - (0.0 if bypass else 0.01) * response_mask
     td = left_right_2_no_padding(DataProto.from_dict(tensors=tensors).to_tensordict())
     if tag is not None:
         tu.assign_non_tensor_data(td, STEP_POSITION_KEY, list(tag))
@@ -192,6 +192,45 @@ def test_async_steps_log_the_mismatch_but_never_feed_it(is_async):
     assert metrics["mismatch/k3"][0] > 0  # logged in every mode
     fed = w.engine.lr_scheduler.schedule.mismatch_kl
     assert (math.isnan(fed) if is_async else fed == pytest.approx(metrics["mismatch/k3"][0])), fed
+
+
+@pytest.mark.parametrize("optimizer_steps", [True, False])
+def test_bypass_mode_feeds_the_first_mini_batchs_mismatch_at_its_optimizer_step(optimizer_steps, monkeypatch):
+    from verl_lrstab import mismatch
+    from verl_lrstab.glue import steps
+
+    monkeypatch.setattr(steps, "micro_batch_view", lambda model_output, data: (
+        model_output["log_probs"], data["rollout_log_probs"], data["response_mask"], data["n"]))
+    w = Worker({"detector": "cusum", "trigger": "either"})
+    param = torch.nn.Parameter(torch.zeros(1))
+    param.grad = torch.ones(1)
+    w.engine.optimizer = torch.optim.SGD([param], lr=1e-3)
+    w.loss_fn = lambda **kwargs: (torch.tensor(0.0), {})
+    data = v0_batch(lengths=(3, 5, 4, 6), bypass=True)
+    tu.assign_non_tensor(data, num_mini_batch=2)
+    mask = (torch.arange(8)[None] < torch.tensor([3, 5, 4, 6])[:, None]).long()
+    rollout = -torch.ones(4, 8)
+    trainer = rollout + 0.05 * torch.randn(4, 8, generator=torch.Generator().manual_seed(0)) * mask
+    fed = []
+
+    def verls_update(self, data):  # two mini-batches, an optimizer step after each, then the scheduler's step
+        for rows in (slice(0, 2), slice(2, 4)):
+            self.loss_fn(model_output={"log_probs": trainer[rows]},
+                         data={"rollout_log_probs": rollout[rows], "response_mask": mask[rows], "n": 2})
+            if optimizer_steps:
+                self.engine.optimizer.step()
+        self.engine.lr_scheduler.step()
+        fed.append(self.engine.lr_scheduler.schedule.mismatch_kl)
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"lr": [1e-3]}})
+
+    metrics = tu.get(worker._train_mini_batch(verls_update, w, data), "metrics")
+    expected = mismatch.mismatch_metrics(trainer[:2], rollout[:2], mask[:2])
+    assert metrics[mismatch.BYPASS_KEY] == [1.0] and metrics["mismatch/n_tokens"] == [8.0]
+    assert metrics["mismatch/k3"] == [pytest.approx(expected["mismatch/k3"])]
+    if optimizer_steps:  # reduced at the first optimizer step: fed before the scheduler's step
+        assert fed == [pytest.approx(expected["mismatch/k3"])]
+    else:  # no step seen: reduced after the update, logged but too late for this step's LR
+        assert math.isnan(fed[0])
 
 
 def test_the_lr_is_held_within_a_trainer_step_on_our_scheduler_not_on_verls_engine():

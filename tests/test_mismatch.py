@@ -10,16 +10,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_lrstab.mismatch import (
+    BYPASS_KEY,
     DEFAULT_THRESHOLD,
     STAT_FIELDS,
     TAIL_EDGES,
     TAIL_LABELS,
+    FirstMiniBatchCapture,
     all_reduce_or_none,
     compute_stats,
     finalize,
     mismatch_metrics,
 )
-from verl_lrstab.bypass import BYPASS_KEY, FirstMiniBatchCapture, is_bypass
 from verl_lrstab.mismatch_trigger import MismatchTrigger
 
 LN2 = math.log(2.0)
@@ -202,7 +203,7 @@ def test_absent_or_empty_rollout_log_probs_give_none():
 
 
 def test_the_same_tensor_gives_exact_zeros():
-    # verl's bypass mode on the driver: old_log_probs IS rollout_log_probs (verl_lrstab.bypass spots it)
+    # verl's bypass mode on the driver: old_log_probs IS rollout_log_probs (glue.signals spots it)
     old, _, mask = _batch(dtype=torch.float32)
     m = mismatch_metrics(old, old, mask)
     assert m["mismatch/max_abs_diff"] == 0.0 and m["mismatch/n_tokens"] == mask.sum().item()
@@ -293,7 +294,7 @@ def test_all_reduce_is_a_noop_without_a_process_group():
     assert all_reduce_or_none(None, len(STAT_FIELDS), n_max=1) is None
 
 
-# -- bypass mode: the first mini-batch's training forward (verl_lrstab.bypass) ----------------------------
+# -- bypass mode: the first mini-batch's training forward (mismatch.FirstMiniBatchCapture) ---------------
 def _micro_batches(old, roll, mask, sizes):
     """Consecutive row slices of the batch, as verl's micro-batches."""
     out, start = [], 0
@@ -301,16 +302,6 @@ def _micro_batches(old, roll, mask, sizes):
         out.append((old[start:start + n], roll[start:start + n], mask[start:start + n], n))
         start += n
     return out
-
-
-def test_is_bypass_only_for_bit_identical_figures():
-    old, roll, mask = _batch(dtype=torch.float32)
-    assert is_bypass(mismatch_metrics(old, old.clone(), mask))
-    near = old.clone()
-    near[0, 0] = torch.nextafter(near[0, 0], torch.tensor(0.0))  # one ulp on one token
-    assert not is_bypass(mismatch_metrics(old, near, mask))
-    assert not is_bypass(None)
-    assert not is_bypass(mismatch_metrics(old, roll, mask))
 
 
 def test_capture_covers_exactly_the_first_mini_batch():
@@ -385,10 +376,10 @@ def test_optimizer_pre_hook_reduces_once_at_the_first_step():
     capture.observe(old[4:], roll[4:], mask[4:], 4)  # mini-batch 2, after the step: ignored
     optimizer.step()
     handle.remove()
-    assert len(seen) == 1
+    assert len(seen) == 1 and seen[0] is capture.global_stats  # the global stats, reduced once
     expected = mismatch_metrics(old[:4], roll[:4], mask[:4])
-    assert seen[0]["mismatch/k3"] == pytest.approx(expected["mismatch/k3"], rel=1e-12)
-    assert seen[0] == capture.metrics()
+    assert finalize(seen[0])["mismatch/k3"] == pytest.approx(expected["mismatch/k3"], rel=1e-12)
+    assert capture.metrics() == {**finalize(seen[0]), BYPASS_KEY: 1.0}
 
 
 class _Worker:
@@ -407,7 +398,7 @@ class _Worker:
 
 
 def test_capture_context_restores_the_loss_and_reduces_at_the_step():
-    from verl_lrstab.bypass import capture_first_mini_batch
+    from verl_lrstab.mismatch import capture_first_mini_batch
 
     old, roll, mask = _batch(bs=4, scale=0.3)
     batches = [({"log_probs": old[:2]}, {"rollout_log_probs": roll[:2], "response_mask": mask[:2], "n": 2}),
@@ -422,8 +413,9 @@ def test_capture_context_restores_the_loss_and_reduces_at_the_step():
         assert worker.loss_fn is not original
         worker.update(batches, optimizer)  # two mini-batches of 2, one optimizer step each
     assert worker.loss_fn is original and not optimizer._optimizer_step_pre_hooks
-    assert len(seen) == 1 and seen[0] == capture.metrics()
-    assert seen[0]["mismatch/k3"] == pytest.approx(mismatch_metrics(old[:2], roll[:2], mask[:2])["mismatch/k3"])
+    assert len(seen) == 1 and seen[0] is capture.global_stats
+    assert capture.metrics()["mismatch/k3"] == pytest.approx(
+        mismatch_metrics(old[:2], roll[:2], mask[:2])["mismatch/k3"])
 
     with pytest.raises(RuntimeError, match="verl failed"):  # verl's error propagates, the loss is restored
         with capture_first_mini_batch(worker, 2, _view, optimizer=optimizer):
@@ -433,7 +425,7 @@ def test_capture_context_restores_the_loss_and_reduces_at_the_step():
 
 def test_capture_context_without_an_optimizer_hook_reduces_late_and_warns(caplog):
     from verl_lrstab import mismatch as mm
-    from verl_lrstab.bypass import capture_first_mini_batch
+    from verl_lrstab.mismatch import capture_first_mini_batch
 
     mm._warned.discard("bypass_late")
     old, roll, mask = _batch(bs=2, scale=0.3)
@@ -442,7 +434,7 @@ def test_capture_context_without_an_optimizer_hook_reduces_late_and_warns(caplog
         with capture_first_mini_batch(worker, 2, _view, optimizer=object(), on_reduced=seen.append) as capture:
             worker.update([({"log_probs": old}, {"rollout_log_probs": roll, "response_mask": mask, "n": 2})])
     assert capture.reduced and "trigger skips" in caplog.text
-    assert len(seen) == 1 and seen[0] == capture.metrics()  # after the block: too late for this step's LR
+    assert len(seen) == 1 and seen[0] is capture.global_stats  # after the block: too late for this step's LR
     assert capture.metrics()["mismatch/k3"] == pytest.approx(mismatch_metrics(old, roll, mask)["mismatch/k3"])
 
 

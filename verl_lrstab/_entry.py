@@ -13,7 +13,7 @@ import importlib
 
 #: The package's modules a ``length_surge`` run needs, in import order (the glue last).
 PACKAGE_MODULES = ("verl_lrstab._numbers", "verl_lrstab.config", "verl_lrstab.collective", "verl_lrstab.detector", "verl_lrstab.cusum", "verl_lrstab.mismatch_trigger",
-                   "verl_lrstab.schedule", "verl_lrstab.mismatch", "verl_lrstab.scheduler", "verl_lrstab.bypass")
+                   "verl_lrstab.schedule", "verl_lrstab.mismatch", "verl_lrstab.scheduler")
 
 
 def load() -> None:

@@ -27,15 +27,17 @@ means are token- (or sequence-) weighted over the whole global batch.
 Layouts: padded ``(bs, T)`` tensors (verl's V0 trainer, and the driver in V1), verl's jagged
 nested tensors (the V1 worker batch), or flat 1-D values with ``offsets``.
 
-In verl's bypass mode ``old_log_probs`` is ``rollout_log_probs`` (exact zeros here);
-:mod:`verl_lrstab.bypass` then feeds the trainer's log-probs from the loss's forward instead.
+In verl's bypass mode ``old_log_probs`` is ``rollout_log_probs`` (exact zeros here); the
+trainer's own log-probs of the first mini-batch, from the loss's forward before any optimizer
+step, take their place (:func:`capture_first_mini_batch`, :class:`FirstMiniBatchCapture`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -61,12 +63,15 @@ STAT_FIELDS = ("sum_k1", "sum_k3", "n_tokens", "n_seqs", "n_over_threshold", "n_
 _N_SUM = len(STAT_FIELDS) - 1
 
 __all__ = [
+    "BYPASS_KEY",
     "DEFAULT_THRESHOLD",
+    "FirstMiniBatchCapture",
     "STAT_FIELDS",
     "TAIL_EDGES",
     "TAIL_LABELS",
     "compute_stats",
     "all_reduce_or_none",
+    "capture_first_mini_batch",
     "collective_device",
     "finalize",
     "mismatch_metrics",
@@ -114,8 +119,8 @@ def compute_stats(
         rollout_log_probs: the rollout engine's log-probs (verl ``rollout_log_probs``), same
             layout and shape. None or an empty tensor (while ``old_log_probs`` is not) means the
             rollout returned none: the result is None, so nothing is logged. Equal values (verl's
-            bypass mode, even the same tensor) give exact zeros, which :mod:`verl_lrstab.bypass`
-            recognises.
+            bypass mode, even the same tensor) give exact zeros, which the glue recognises
+            (:func:`verl_lrstab.glue.signals.shows_bypass_mode`).
         response_mask: non-zero on the response tokens to count, same layout and shape. Values
             at other positions (padding) are ignored even when NaN/inf.
         threshold: ``|d|`` above which a token counts in ``n_over_threshold``; >= 0.
@@ -183,12 +188,10 @@ def finalize(stats: Optional[torch.Tensor], prefix: str = "mismatch/") -> Option
         seq_k1, seq_k3, max_abs_diff, frac_over_thr, frac_over_<e> (:data:`TAIL_LABELS`), n_tokens,
         n_nonfinite.
     """
-    if stats is None:
+    if not _covers_tokens(stats):
         return None
     s = dict(zip(STAT_FIELDS, stats.tolist()))
     n_tokens, n_seqs = s["n_tokens"], s["n_seqs"]
-    if not (n_tokens > 0 and math.isfinite(n_tokens)):
-        return None
     return {
         prefix + "k1": s["sum_k1"] / n_tokens,
         prefix + "k3": s["sum_k3"] / n_tokens,
@@ -220,6 +223,181 @@ def warn_once(reason: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
         logger.warning(WARNINGS[reason])
+
+
+# -- bypass mode: the trainer's log-probs from the loss's own forward ----------------------------
+#: Extra key logged (value 1.0) when the figures come from the first mini-batch's forward.
+BYPASS_KEY = "mismatch/bypass_mode"
+
+#: ``view(model_output, data) -> (log_probs, rollout_log_probs, response_mask, n_sequences)``:
+#: the trainer's and the rollout's log-probs of one micro-batch in one layout, its mask and size.
+View = Callable[..., tuple]
+
+
+@contextlib.contextmanager
+def capture_first_mini_batch(owner, n_sequences: int, view: View, optimizer=None, group=None,
+                             on_reduced: Optional[Callable[[Optional[torch.Tensor]], None]] = None,
+                             loss_attr: str = "loss_fn"):
+    """Within the block, ``owner.<loss_attr>`` (verl's ``TrainingWorker.loss_fn``) feeds a capture.
+
+    In bypass mode the trainer still computes its own log-probs of the sampled tokens, for the loss:
+    an update's first mini-batch runs its forward before any optimizer step, with the weights the
+    rollout sampled with. No extra forward pass: the capture reads what the loss gets.
+
+    Args:
+        owner: the object whose loss function the engine reads (verl reads ``worker.loss_fn``
+            for every mini-batch); restored on exit, also on an exception.
+        n_sequences, view: as :class:`FirstMiniBatchCapture` / :meth:`~FirstMiniBatchCapture.wrap_loss`.
+        optimizer: a torch optimizer: the stats are all-reduced at its first ``step()``
+            (:meth:`~FirstMiniBatchCapture.optimizer_pre_hook`). Without one (or if no step
+            happened: verl skips it for a non-finite grad norm on every rank alike) they are
+            all-reduced on leaving the block, with a warning: after verl's LR scheduler stepped.
+        group: the DP group.
+        on_reduced: called once with the global stats (:meth:`~FirstMiniBatchCapture.reduce`) when
+            they are reduced, at the step or on leaving the block.
+
+    Yields:
+        The :class:`FirstMiniBatchCapture`; its :meth:`~FirstMiniBatchCapture.metrics` after the block.
+    """
+    capture = FirstMiniBatchCapture(n_sequences)
+    loss_fn = getattr(owner, loss_attr)
+    handle = None
+    reduce_at_step = capture.optimizer_pre_hook(group, on_reduced)
+    setattr(owner, loss_attr, capture.wrap_loss(loss_fn, view))
+    try:
+        if hasattr(optimizer, "register_step_pre_hook"):
+            handle = optimizer.register_step_pre_hook(reduce_at_step)
+        yield capture
+    finally:
+        setattr(owner, loss_attr, loss_fn)
+        if handle is not None:
+            handle.remove()
+    if not capture.reduced:  # no optimizer step was seen: reduce now, late (the scheduler already stepped)
+        warn_once("bypass_late")
+        reduce_at_step(optimizer, (), {})
+
+
+class FirstMiniBatchCapture:
+    """Mismatch sums of the first ``n_sequences`` sequences the loss sees on this rank.
+
+    The loss function, wrapped by :meth:`wrap_loss`, hands every micro-batch's log-probs to
+    :meth:`observe` until the rank's first mini-batch is seen; :meth:`reduce` all-reduces the sums
+    over the DP group once (every rank at the same point: the first optimizer step, see
+    :meth:`optimizer_pre_hook`, or after the update); :meth:`metrics` gives the ``mismatch/*`` figures.
+
+    Args:
+        n_sequences: the rank's first mini-batch size (sequences); micro-batches are counted
+            until it is reached, later ones are not looked at. >= 1.
+        threshold: as :func:`compute_stats`.
+
+    A failure inside :meth:`observe` never reaches the loss: the rank then joins :meth:`reduce`
+    as a rank that could not measure (:func:`verl_lrstab.collective.all_reduce_or_none`), so every
+    rank ends with no figures (None) rather than a partial one.
+    """
+
+    def __init__(self, n_sequences: int, threshold: float = DEFAULT_THRESHOLD):
+        if not isinstance(n_sequences, int) or isinstance(n_sequences, bool) or n_sequences < 1:
+            raise ValueError(f"n_sequences must be an integer >= 1, got {n_sequences!r}")
+        self.n_sequences = n_sequences
+        self.threshold = threshold
+        self.seen = 0  # sequences observed
+        self.stats: Optional[torch.Tensor] = None  # local sums (STAT_FIELDS)
+        self.failed: Optional[BaseException] = None
+        self.global_stats: Optional[torch.Tensor] = None  # after reduce()
+        self.reduced = False
+
+    @property
+    def complete(self) -> bool:
+        """The whole first mini-batch was observed (or the stats are already reduced)."""
+        return self.reduced or self.seen >= self.n_sequences
+
+    def observe(self, log_probs, rollout_log_probs, response_mask, n_sequences: int) -> bool:
+        """Add one micro-batch, unless the first mini-batch is complete. Returns whether it was added.
+
+        The tensors are as :func:`compute_stats` takes them (``log_probs`` may require grad: it is
+        read detached). Never raises.
+        """
+        if self.complete:
+            return False
+        self.seen += int(n_sequences)
+        if self.failed is not None:
+            return True
+        try:
+            with torch.no_grad():
+                stats = compute_stats(log_probs.detach(), rollout_log_probs, response_mask, self.threshold)
+            if stats is None:
+                raise ValueError("the micro-batch has no rollout log-probs")
+            self.stats = stats if self.stats is None else _combine(self.stats, stats)
+        except Exception as exc:  # noqa: BLE001 - a metric must never fail the training step
+            self.failed = exc
+            logger.warning("verl_lrstab: could not compute the bypass-mode mismatch figures (%r); "
+                           "none logged this step", exc)
+        return True
+
+    def reduce(self, group=None) -> Optional[torch.Tensor]:
+        """All-reduce the sums over ``group`` (every rank calls it once; later calls are no-ops).
+
+        Returns the global stats, or None: some rank could not measure, or the first mini-batch
+        held no response token (no figures rather than zeros, as :func:`finalize`).
+        """
+        if self.reduced:
+            return self.global_stats
+        n = len(STAT_FIELDS)
+        if self.failed is not None:
+            local = None  # every rank then gets None (collective.all_reduce_or_none)
+        elif self.stats is None:
+            local = torch.zeros(n, dtype=torch.float64)
+        else:
+            local = self.stats.detach().to(torch.float64).cpu()
+        reduced = all_reduce_or_none(local, n, n_max=1, group=group)
+        self.global_stats = reduced if _covers_tokens(reduced) else None
+        self.reduced = True
+        return self.global_stats
+
+    def metrics(self) -> Optional[dict]:
+        """The global ``mismatch/*`` figures plus ``mismatch/bypass_mode: 1.0``; None if nothing was measured."""
+        figures = finalize(self.global_stats)
+        return None if figures is None else {**figures, BYPASS_KEY: 1.0}
+
+    # -- the two places it plugs into ------------------------------------------------------------
+    def wrap_loss(self, loss_fn: Callable, view: View) -> Callable:
+        """``loss_fn`` that also observes each micro-batch; verl's loss and its result are untouched.
+
+        Calls without ``model_output`` (verl also passes the loss function as a logits
+        processor) go straight through.
+        """
+
+        def loss_with_capture(*args, **kwargs):
+            result = loss_fn(*args, **kwargs)
+            if not self.complete and self.failed is None and "model_output" in kwargs and "data" in kwargs:
+                try:
+                    log_probs, rollout_log_probs, response_mask, n = view(kwargs["model_output"], kwargs["data"])
+                except Exception as exc:  # noqa: BLE001 - a metric must never fail the training step
+                    self.failed = exc
+                    logger.warning("verl_lrstab: could not read the micro-batch for the bypass-mode figures (%r)", exc)
+                    return result
+                self.observe(log_probs, rollout_log_probs, response_mask, n)
+            return result
+
+        loss_with_capture.__wrapped__ = loss_fn
+        return loss_with_capture
+
+    def optimizer_pre_hook(self, group=None, on_reduced: Optional[Callable[[Optional[torch.Tensor]], None]] = None):
+        """A ``torch.optim.Optimizer.register_step_pre_hook`` hook: reduce at the first optimizer step.
+
+        Every DP rank steps its optimizer at the same point, after the first mini-batch's
+        forward/backward and before the LR scheduler steps; ``on_reduced(global stats)`` can hand
+        the figure to the scheduler there. Later steps do nothing.
+        """
+
+        def hook(optimizer, args, kwargs):
+            if not self.reduced:
+                stats = self.reduce(group)
+                if on_reduced is not None:
+                    on_reduced(stats)
+            return None
+
+        return hook
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -272,3 +450,16 @@ def _count_sequences(valid: torch.Tensor, offsets: Optional[torch.Tensor]) -> to
     torch.cumsum(valid, 0, dtype=torch.int32, out=csum[1:])
     offsets = offsets.to(device=valid.device, dtype=torch.int64)
     return (csum[offsets[1:]] > csum[offsets[:-1]]).sum()
+
+
+def _combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two ranks' or micro-batches' stats as one: SUM of the counts and sums, MAX of the max."""
+    return torch.cat([a[:_N_SUM] + b[:_N_SUM], torch.maximum(a[_N_SUM:], b[_N_SUM:])])
+
+
+def _covers_tokens(stats: Optional[torch.Tensor]) -> bool:
+    """Stats that give figures: some response token, a finite count."""
+    if stats is None:
+        return False
+    n_tokens = stats[STAT_FIELDS.index("n_tokens")].item()
+    return n_tokens > 0 and math.isfinite(n_tokens)

@@ -2,8 +2,8 @@
 
 With ``algorithm.rollout_correction.bypass_mode=true`` verl uses ``rollout_log_probs`` as the old
 log-probs and never recomputes them; the figures then come from the trainer's own log-probs of the
-first mini-batch's forward (``verl_lrstab.bypass``). The CPU rollout generates in bf16 (a real
-mismatch against the fp32 trainer) or fp32 (none). Each bypass run has a twin without bypass mode
+first mini-batch's forward (``verl_lrstab.mismatch.FirstMiniBatchCapture``). The CPU rollout
+generates in bf16 (a real mismatch against the fp32 trainer) or fp32 (none). Each bypass run has a twin without bypass mode
 (``test_mismatch_e2e.bf16_run``: same overrides otherwise), whose first step samples the same
 tokens with the same weights: there the two figures must agree. The last test drives verl's
 actor worker directly (2 DP ranks, 2 mini-batches per update: ``tests/bypass_engine_check.py``).

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.glue.signals import UPDATE_FIGURES
+from verl_lrstab.glue.cosignals import UPDATE_FIGURES
 from verl_lrstab_cpu.launch import CONFIG_DIR
 from verl_lrstab.schedule import UpdateFigures, replay
 from verl_lrstab.scheduler import LengthSurgeLR

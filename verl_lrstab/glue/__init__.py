@@ -8,9 +8,9 @@
   :mod:`.config_classes` builds them.
 - :mod:`.engine`: the engines build our scheduler.
 - :mod:`.worker`: the actor update (``TrainingWorker.train_mini_batch``) and the old-log-prob pass.
-- :mod:`.steps`: one trainer step's state and its updates from measure to feed (the per-update path).
-- :mod:`.signals`: the figures, measured as verl logs them, over the global batch (one collective each time).
-- :mod:`.bypass`: the update's branch in verl's bypass mode.
+- :mod:`.signals`: the batch's figures, measured as verl logs them, over the global batch (one collective).
+- :mod:`.steps`: one trainer step's state, and an update from its figures to verl's, in both modes.
+- :mod:`.cosignals`: after verl's update: what it logged (one collective), fed; the step's figures logged.
 - :mod:`.driver`: the trainer-side checks and tags (V0, V1), pre-rejection mismatch.
 - :mod:`.refusals`: where ``length_surge`` is refused by name.
 

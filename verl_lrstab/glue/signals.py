@@ -1,24 +1,23 @@
-"""The figures the worker feeds the scheduler, measured as verl logs them, over the global batch.
+"""The batch's figures the worker feeds the scheduler, measured as verl logs them, over the global batch.
 
-:func:`measure_batch`: the length, score and mismatch statistics of one actor batch, in one
-collective over the data-parallel group, before verl's update; :func:`measure_update_output`:
-what verl's update logged (grad norm, KL loss, clip fraction, entropy), in one collective after
-it; :func:`old_log_prob_entropy`: the entropy of verl's old-log-prob pass. One convention for a
-rank that cannot measure (:func:`verl_lrstab.collective.reduce_or_none`: if one rank cannot, no
-rank gets the figure, so every rank takes the same decision). Measuring only: what is kept
-between the updates of a trainer step is :mod:`.steps`'.
+:func:`measure_batch`: the length, score and mismatch statistics of one actor batch, and whether
+they show verl's bypass mode, in one collective over the data-parallel group, before verl's
+update. One convention for a rank that cannot measure
+(:func:`verl_lrstab.collective.reduce_or_none`: if one rank cannot, no rank gets the figure, so
+every rank takes the same decision). Measuring only: what is kept between the updates of a
+trainer step is :mod:`.steps`'; what verl's update itself gives, after it, :mod:`.cosignals`'.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Iterable, NamedTuple, Optional
 
 import torch
 
 from verl_lrstab import mismatch
-from verl_lrstab._numbers import finite_float
-from verl_lrstab.collective import Part, all_reduce_or_none, reduce_or_none
+from verl_lrstab.collective import Part, reduce_or_none
 from verl_lrstab.glue.wraps import Check, VerlShapeError
 
 logger = logging.getLogger("verl_lrstab")
@@ -129,6 +128,7 @@ class BatchStats(NamedTuple):
     length: Optional[list]  # [sum, count] or [sum, count, at_cap] of the response lengths
     score: Optional[list]  # [sum, count] of the sequence scores
     mismatch: Optional[torch.Tensor]  # mismatch.STAT_FIELDS
+    bypass: bool = False  # the mismatch shows verl's bypass mode (old_log_probs := rollout_log_probs)
 
 
 def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_stats=None) -> BatchStats:
@@ -150,7 +150,7 @@ def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_
     An empty batch gives zero counts (the step is skipped, not counted as unmeasurable); a
     batch without the keys the length comes from gives ``length`` None (the worker counts those);
     one without a score runs the detector on the length alone; one without rollout log-probs
-    has no mismatch figures (a warning, once).
+    has no mismatch figures (a warning, once). ``bypass``: :func:`shows_bypass_mode` of the mismatch.
     """
     width = 2 if cap is None else 3
     parts = [Part(_local_length(data, cap), width), Part(_local_score(data), 2)]
@@ -164,7 +164,26 @@ def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_
         stats = measured[0] if measured else None
         if stats is None:
             mismatch.warn_once("missing")
-    return BatchStats(None if length is None else length.tolist(), None if score is None else score.tolist(), stats)
+    return BatchStats(None if length is None else length.tolist(), None if score is None else score.tolist(), stats,
+                      shows_bypass_mode(stats))
+
+
+_N_TOKENS = mismatch.STAT_FIELDS.index("n_tokens")  # (the last field is max_abs)
+
+
+def shows_bypass_mode(stats: Optional[torch.Tensor]) -> bool:
+    """True when global mismatch stats show verl's bypass mode: trainer and rollout log-probs equal bit for bit.
+
+    With ``algorithm.rollout_correction.bypass_mode=true`` verl uses the rollout's log-probs as the
+    old log-probs, so their difference is 0 by construction, not a measurement; the figures then
+    come from the first mini-batch's forward (:func:`.steps.run_update`). Two real engines never
+    agree on every token to the last bit (fp32 vs fp32 with other batch shapes differs by ~1e-7);
+    bypass mode always does. Every rank holds the same global stats, so every rank takes the same branch.
+    """
+    if stats is None:
+        return False
+    n_tokens, max_abs = stats[_N_TOKENS].item(), stats[-1].item()
+    return math.isfinite(n_tokens) and n_tokens > 0 and max_abs == 0.0
 
 
 def _local_length(data, cap: Optional[int]) -> Optional[torch.Tensor]:
@@ -206,101 +225,3 @@ def _local_mismatch(data) -> Optional[torch.Tensor]:
     except Exception as exc:  # noqa: BLE001 - never fail a training step for a metric
         logger.warning("verl_lrstab: could not compute the mismatch figures (%s); none logged this step", exc)
         return None
-
-
-# -- the co-signals of detector: cusum: what verl's own update logs --------------------------
-#: The figures of an actor update that ``detector: cusum`` reads, by co-signal, as keyed in the
-#: metrics ``TrainingWorker.train_mini_batch`` returns (the driver then prefixes ``actor/``).
-#: ``entropy``: the update's own (``actor/entropy_loss``, computed when ``calculate_entropy`` or an entropy
-#: coefficient asks for it, as in bypass mode); a recompute run's ``actor/entropy`` comes from the old-log-prob
-#: pass instead (:func:`old_log_prob_entropy_stats`), and takes precedence.
-UPDATE_FIGURES = {"grad_norm": "grad_norm", "kl_loss": "kl_loss", "pg_clipfrac": "actor/pg_clipfrac",
-                  "entropy": "actor/entropy_loss"}
-
-
-def old_log_prob_entropy_stats(output, data) -> torch.Tensor:
-    """``[sum, count]`` of the per-token entropy verl's old-log-prob pass returns, over the response mask.
-
-    verl's driver logs ``actor/entropy`` from these values (token-mean over the batch, under the default
-    ``loss_agg_mode``) and drops them before the update; this reads them on the worker, from the same
-    output and batch, with verl's own unpadding (V1's nested batch: ``response_from_nested``, as its driver
-    does; V0's padded one: ``no_padding_2_padding``, as its PPO loss does). A rank
-    without outputs (not a model-parallel source rank) or without an ``entropy`` output adds 0.
-    """
-    if output is None:
-        return torch.zeros(2, dtype=torch.float64)
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
-
-    entropy = tu.get(output, "entropy")
-    if entropy is None:
-        return torch.zeros(2, dtype=torch.float64)
-    mask = data["response_mask"]
-    if mask.is_nested:  # V1's padding-free batch: verl's own response slice, as its driver takes it
-        from verl.workers.utils.padding import response_from_nested
-
-        per_token = response_from_nested(entropy, mask).values().double()
-        mask = mask.values().to(per_token.device).double()
-    else:  # V0: left/right-padded prompts and responses, unpadded by verl's PPO loss's own function
-        per_token = no_padding_2_padding(entropy, data).double()
-        mask = mask.to(per_token.device).double()[:, : per_token.shape[1]]
-    finite = torch.isfinite(per_token)
-    mask = mask * finite
-    return torch.stack([(torch.where(finite, per_token, 0.0) * mask).sum(), mask.sum()]).cpu()
-
-
-def old_log_prob_entropy(output, data) -> Optional[float]:
-    """The global mean entropy of an old-log-prob pass (verl's ``actor/entropy``), or None (on every rank alike).
-
-    Every rank of the default group calls it, each such pass (one collective).
-    """
-    try:
-        local = old_log_prob_entropy_stats(output, data)
-    except Exception as exc:  # noqa: BLE001 - never fail a training step for a co-signal
-        logger.warning("verl_lrstab: could not read the old-log-prob pass's entropy (%s)", exc)
-        local = None
-    reduced = all_reduce_or_none(local, 2)
-    return None if reduced is None or reduced[1].item() <= 0 else reduced[0].item() / reduced[1].item()
-
-
-def _finite_values(value) -> list[float]:
-    if isinstance(value, (list, tuple)):
-        return [v for item in value for v in _finite_values(item)]
-    try:
-        value = value.item() if hasattr(value, "item") else value
-    except (TypeError, ValueError, RuntimeError):  # a tensor of several values is no figure
-        return []
-    v = finite_float(value)
-    return [] if v is None else [v]
-
-
-def update_figure_stats(output) -> torch.Tensor:
-    """``[sum, count]`` per :data:`UPDATE_FIGURES` entry of one update's metrics (verl's values: one
-    per mini-batch, already gathered over the data-parallel group; the driver logs their mean).
-    A rank that returns no output (not a model-parallel source rank) or a metric not logged adds 0."""
-    metrics = {}
-    if output is not None:
-        from verl.utils import tensordict_utils as tu
-
-        metrics = tu.get(output, "metrics") or {}
-    stats = []
-    for key in UPDATE_FIGURES.values():
-        values = _finite_values(metrics.get(key, []))
-        stats += [sum(values), float(len(values))]
-    return torch.tensor(stats, dtype=torch.float64)
-
-
-def measure_update_output(output) -> Optional[torch.Tensor]:
-    """``[sum, count]`` per :data:`UPDATE_FIGURES` entry of one update's metrics, over the default group, or None.
-
-    Called on every rank after verl's update (one collective: every rank of the default group,
-    each update): only the model-parallel source ranks hold verl's metrics, so they are summed
-    over the default group, not the data-parallel one. They exist only after the update, after
-    the scheduler stepped, so they cannot travel with :func:`measure_batch`'s collective.
-    """
-    try:
-        local = update_figure_stats(output)
-    except Exception as exc:  # noqa: BLE001 - never fail a training step for a co-signal
-        logger.warning("verl_lrstab: could not read the update's grad norm / KL loss / clip fraction (%s)", exc)
-        local = None
-    return all_reduce_or_none(local, 2 * len(UPDATE_FIGURES))

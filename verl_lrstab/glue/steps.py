@@ -1,17 +1,23 @@
-"""One trainer step of a ``length_surge`` run on the worker: its state, and its updates from measure to feed.
+"""One trainer step of a ``length_surge`` run on the worker: its state, and an actor update from its figures to verl's.
 
-A trainer step runs one actor update (``separate_async``: several). Per update, the worker
-(:mod:`.worker`) tags it (:func:`step_position`), :func:`begin_update` opens it, one collective
-measures the batch (:func:`.signals.measure_batch`), :func:`run_update` (or bypass mode's
-:func:`.bypass.train_mini_batch_bypass`) sums the figures into the step's state and, on the
-step's last update, hands them to the scheduler (:meth:`~verl_lrstab.schedule.FedSchedule.observe_update`)
-before verl's update, which steps it; :func:`finish_update` then measures what verl's update
-logged (one more collective) and, on the last update, feeds it and logs the step's figures.
-The state is kept per scheduler on our own object (:class:`StepState`), never on verl's.
+A trainer step runs one actor update (``separate_async``: several). The worker (:mod:`.worker`)
+measures the batch (:func:`.signals.measure_batch`, one collective) and hands it to
+:func:`run_update`: the step's state opens (:func:`begin_update`), the batch's figures are summed
+into it and, on the step's last update, handed to the scheduler
+(:meth:`~verl_lrstab.schedule.FedSchedule.observe_update`) before verl's update, which steps it;
+within the step the LR is held. In bypass mode (:attr:`.signals.BatchStats.bypass`) the mismatch
+figure comes from the first mini-batch's forward instead, reduced at the first optimizer step
+(one more collective, :func:`verl_lrstab.mismatch.capture_first_mini_batch`) and handed over
+then. :mod:`.cosignals` finishes the update. The state is kept per scheduler on our own object
+(:class:`StepState`), never on verl's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import logging
 import math
 import weakref
 from typing import Callable, NamedTuple, Optional
@@ -20,9 +26,12 @@ import torch
 
 from verl_lrstab import mismatch
 from verl_lrstab.glue import signals
+from verl_lrstab.glue.cosignals import CosignalSums
 from verl_lrstab.schedule import FedSchedule, UpdateFigures
 
-#: Non-tensor keys the driver-side glue adds to the actor batch (popped here).
+logger = logging.getLogger("verl_lrstab")
+
+#: Non-tensor keys the driver-side glue adds to the actor batch (the worker pops them).
 STEP_POSITION_KEY = "lrstab_step_position"  # [index of the update in the step, updates per step, async, response cap]
 PRE_RS_STATS_KEY = "lrstab_pre_rs_mismatch_stats"  # mismatch stats over the tokens before rejection sampling
 
@@ -52,35 +61,18 @@ class StepPosition(NamedTuple):
         return self.index == self.count - 1
 
 
-def step_position(value) -> StepPosition:
-    """The :class:`StepPosition` of the driver's tag; a missing tag is an error, never a guess."""
-    if value is None:
-        raise GlueError("verl_lrstab: the actor batch carries no trainer-step tag (lrstab_step_position): the "
-                        "driver-side glue (PPOTrainer._update_actor / RayPPOTrainer._update_actor) did not run in "
-                        "the trainer's process, so the scheduler cannot tell trainer steps apart. Check the "
-                        "ERROR logged there; verl-lrstab supports verl 0.9.x (`python patches/check_verl.py`).")
-    values = [int(v) for v in value]
-    if len(values) not in (3, 4):
-        raise ValueError(f"verl_lrstab: bad trainer-step position {list(value)!r}")
-    index, count, is_async, cap = (*values, 0) if len(values) == 3 else values
-    if not 0 <= index < count or cap < 0:
-        raise ValueError(f"verl_lrstab: bad trainer-step position {list(value)!r}")
-    return StepPosition(index, count, bool(is_async), cap)
-
-
 class StepState:
     """What the glue keeps per scheduler between the updates of a run: the sums of the current trainer
-    step's figures, the entropy of its old-log-prob pass, and the counters of the failure rules."""
+    step's batch figures and its ``mismatch/*`` figures to log, its co-signals
+    (:class:`~.cosignals.CosignalSums`), and the counters of the failure rules."""
 
     def __init__(self):
         self.unmeasured_steps = 0
         self.unfed_updates = 0  # consecutive actor updates held (not the last of their trainer step)
         self.unstepped_steps = 0  # consecutive feeds verl's engine did not consume
-        self.entropy: Optional[float] = None  # this step's old-log-prob pass (signals.old_log_prob_entropy)
+        self.cosignals = CosignalSums()
         self.reset_batch()
-        self._reset_update_sums()
 
-    # -- the batch's figures (measured before each update) --------------------------------------
     def reset_batch(self) -> None:
         self.length = [0.0, 0.0]  # sum, count
         self.length_unmeasured = False
@@ -90,8 +82,11 @@ class StepState:
         self.score_valid = True
         self.mismatch = None  # stats tensor (sums, then max) or None
         self.mismatch_valid = True
+        self.bypass = False  # the step's batches show verl's bypass mode
+        self.logged: dict = {}  # the step's mismatch/* figures, logged on its last update
+        self.fed: Optional[UpdateFigures] = None  # handed to the scheduler, its step not taken yet
 
-    def add_batch(self, stats: signals.BatchStats, with_mismatch: bool = True) -> None:
+    def add_batch(self, stats: signals.BatchStats) -> None:
         """Add one update's :class:`~.signals.BatchStats` (bypass mode's mismatch comes from elsewhere)."""
         if stats.length is None:
             self.length_unmeasured = True
@@ -105,7 +100,8 @@ class StepState:
             self.score_valid = False
         else:
             self.score = [self.score[0] + stats.score[0], self.score[1] + stats.score[1]]
-        if with_mismatch:
+        self.bypass = stats.bypass
+        if not stats.bypass:  # bypass mode: 0 by construction, the first mini-batch's come instead
             self.add_mismatch(stats.mismatch)
 
     def add_mismatch(self, stats: Optional[torch.Tensor]) -> None:
@@ -122,15 +118,15 @@ class StepState:
         """The step's ``mismatch/*`` figures so far, or None."""
         return mismatch.finalize(self.mismatch if self.mismatch_valid else None)
 
-    def figures(self, mismatch_metric: str, is_async: bool, with_mismatch: bool = True) -> tuple:
+    def figures(self, mismatch_metric: str, is_async: bool) -> tuple:
         """``(UpdateFigures, mismatch/* figures or None)``: the step's batch figures for the scheduler (the mean
         length, NaN: unmeasured; score and clip ratio, None: unavailable; the mismatch figure ``mismatch_metric``)
-        and the step's ``mismatch/*`` figures (none with ``with_mismatch`` false: bypass mode's come later).
+        and the step's ``mismatch/*`` figures (none in bypass mode: they come later, :meth:`take_first_mini_batch`).
 
         In the async modes the rollout's log-probs come from older weights: the figures mix engine
         mismatch with policy staleness, so they are logged but never reach the detector (docs/integration.md).
         """
-        figures = self.mismatch_figures() if with_mismatch else None
+        figures = None if self.bypass else self.mismatch_figures()
         total, count = self.length
         at_cap, responses = self.at_cap
         score, scored = self.score
@@ -142,10 +138,11 @@ class StepState:
             clip_ratio=at_cap / responses if self.clip_valid and not self.length_unmeasured and responses > 0 else None,
         ), figures
 
-    def feed(self, scheduler: FedSchedule, position: StepPosition, with_mismatch: bool = True):
-        """Hand the step's batch figures to the scheduler (verl's engine then steps it); count the failures.
-        Returns ``(the figures fed, the step's mismatch/* figures to log)`` (bypass mode: no mismatch yet)."""
-        figures, logged = self.figures(scheduler.config.mismatch_metric, position.is_async, with_mismatch)
+    def feed_figures(self, scheduler: FedSchedule, position: StepPosition) -> UpdateFigures:
+        """The step's batch figures to hand the scheduler (verl's engine then steps it), kept as :attr:`fed`, and its
+        ``mismatch/*`` as :attr:`logged`; counts the failures (the figures are handed in :func:`run_update`)."""
+        self.fed, logged = self.figures(scheduler.config.mismatch_metric, position.is_async)
+        self.logged = logged or {}
         if scheduler.figures_waiting:  # the previous step's figures were never consumed
             self.unstepped_steps += 1
             if self.unstepped_steps >= MAX_UNSTEPPED_STEPS:
@@ -164,36 +161,22 @@ class StepState:
                                 "verl 0.9.x; `python patches/check_verl.py` lists what no longer matches.")
         else:
             self.unmeasured_steps = 0
-        scheduler.set_updates_per_step(position.count)
-        scheduler.observe_update(figures)
-        return figures, logged or {}
+        return self.fed
 
-    # -- what verl's update logged (measured after each update) ---------------------------------
-    def _reset_update_sums(self) -> None:
-        self.update_sums = torch.zeros(2 * len(signals.UPDATE_FIGURES), dtype=torch.float64)
-        self.update_valid = True
-
-    def close_update(self, stats: Optional[torch.Tensor], last: bool) -> dict:
-        """Add one update's :data:`~.signals.UPDATE_FIGURES` sums (None: some rank could not read them); on the
-        step's last update, the step's means (the old-log-prob pass's entropy winning over the update's own),
-        used once: the sums and the entropy start afresh. Earlier updates: ``{}``."""
-        if stats is None:
-            self.update_valid = False
-        else:
-            self.update_sums += stats
-        if not last:
-            return {}
-        means = {}
-        if self.update_valid:
-            for i, name in enumerate(signals.UPDATE_FIGURES):
-                total, count = self.update_sums[2 * i].item(), self.update_sums[2 * i + 1].item()
-                if count > 0:
-                    means[name] = total / count
-        if self.entropy is not None:  # this step's old-log-prob pass: verl's actor/entropy
-            means["entropy"] = self.entropy
-        self.entropy = None
-        self._reset_update_sums()
-        return means
+    def take_first_mini_batch(self, scheduler: FedSchedule, position: StepPosition,
+                              stats: Optional[torch.Tensor]) -> None:
+        """Bypass mode: the first mini-batch's global mismatch stats (None: not measured), at its optimizer step or,
+        late, after the update. They join the step's; on its last update the step's ``mismatch/*`` are logged
+        and, while its scheduler step is not taken (:attr:`fed`), its mismatch figure is handed over."""
+        self.add_mismatch(stats)
+        if not position.last:
+            return
+        figures = self.mismatch_figures()
+        self.logged = {**figures, mismatch.BYPASS_KEY: 1.0} if figures else {}
+        if self.fed is not None:
+            metric = f"mismatch/{scheduler.config.mismatch_metric}"
+            kl = None if (not figures or position.is_async) else figures.get(metric)
+            scheduler.observe_update(dataclasses.replace(self.fed, mismatch_kl=kl))
 
 
 _states: "weakref.WeakKeyDictionary[FedSchedule, StepState]" = weakref.WeakKeyDictionary()
@@ -234,31 +217,61 @@ def begin_update(scheduler: FedSchedule, position: StepPosition) -> StepState:
     return state
 
 
-def run_update(scheduler: FedSchedule, state: StepState, batch: signals.BatchStats, position: StepPosition,
-               run: Callable):
-    """verl's update with the batch's figures summed in; on the step's last update they are fed first.
-    Returns ``(verl's output, the step's mismatch/* figures to log)``."""
+def run_update(worker, data, scheduler: FedSchedule, batch: signals.BatchStats, position: StepPosition,
+               run: Callable) -> tuple:
+    """One actor update from its batch's figures to verl's update (``run``). Returns ``(verl's output, the step's
+    :class:`StepState`)``.
+
+    The figures are summed into the step's state; on the step's last update they are handed to the
+    scheduler first (earlier updates: the LR is held). In bypass mode the trainer's log-probs of the
+    first mini-batch (verl's loss reads ``worker.loss_fn``) give the mismatch figure, all-reduced at
+    the first optimizer step, before the scheduler steps (:meth:`StepState.take_first_mini_batch`).
+    """
+    state = begin_update(scheduler, position)
+    first = first_mini_batch_size(worker, data) if batch.bypass else 0  # what bypass mode captures
     state.add_batch(batch)
-    if not position.last:  # not the step's last update: the LR stays, nothing is logged
-        with scheduler.holding():
-            return run(), {}
-    _, logged = state.feed(scheduler, position)  # (the next step's first update restarts the sums)
-    return run(), logged
+    figures = state.feed_figures(scheduler, position) if position.last else None
+    capture = contextlib.nullcontext()
+    if batch.bypass:  # old_log_probs := rollout_log_probs: the figures from the loss's own forward
+        mismatch.warn_once("bypass")
+        engine = worker.engine
+        capture = mismatch.capture_first_mini_batch(
+            worker, first, micro_batch_view, optimizer=getattr(engine, "optimizer", None),
+            group=engine.get_data_parallel_group(),
+            on_reduced=functools.partial(state.take_first_mini_batch, scheduler, position))
+    hold = contextlib.nullcontext() if position.last else scheduler.holding()
+    with hold, capture:
+        if figures is not None:
+            scheduler.set_updates_per_step(position.count)
+            scheduler.observe_update(figures)
+        output = run()
+        state.fed = None  # the step is taken: a figure reduced after the update is logged, not fed
+    if batch.bypass and position.last and not state.logged:
+        mismatch.warn_once("bypass_failed")
+    return output, state
 
 
-def finish_update(scheduler: FedSchedule, state: StepState, output, last: bool, logged: dict):
-    """After verl's update (every rank, each update: one collective): sum what it logged; on the step's last
-    update feed its means to the scheduler and log the step's ``lrstab/*`` figures and ``logged``."""
-    means = state.close_update(signals.measure_update_output(output), last)
-    if not last:
-        return output
-    scheduler.observe_update(UpdateFigures(cosignals=means))
-    if output is None:  # ranks that do not report
-        return output
+def first_mini_batch_size(worker, data) -> int:
+    """The rank's first mini-batch (sequences), as ``TrainingWorker.train_mini_batch`` splits the batch."""
     from verl.utils import tensordict_utils as tu
 
-    metrics = dict(tu.get(output, "metrics"))
-    for key, value in {**scheduler.metrics(), **logged}.items():
-        metrics[key] = [value]
-    return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
+    n = int(data.shape[0])
+    try:
+        mini_batch_size = tu.get(data, key="mini_batch_size", default=None)
+        num_mini_batch = tu.get(data, key="num_mini_batch", default=None)
+        if mini_batch_size is not None:
+            n = min(n, int(mini_batch_size) // worker.engine.get_data_parallel_size())
+        elif num_mini_batch is not None:
+            n = n // int(num_mini_batch)
+    except Exception as exc:  # noqa: BLE001 - the optimizer hook still bounds the capture
+        logger.warning("verl_lrstab: could not read the mini-batch size (%r); counting the whole batch", exc)
+    return max(1, n)
 
+
+def micro_batch_view(model_output, data):
+    """The trainer's and the rollout's log-probs of one micro-batch, padded as verl's ``ppo_loss`` pads them."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    log_probs = no_padding_2_padding(model_output["log_probs"], data)
+    padded = data.select("rollout_log_probs", "response_mask").to_padded_tensor()
+    return log_probs, padded["rollout_log_probs"], padded["response_mask"], int(data.shape[0])

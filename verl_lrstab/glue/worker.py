@@ -2,9 +2,11 @@
 
 verl's engine steps the LR scheduler with no argument and the batch never reaches it, so the
 glue wraps ``TrainingWorker.train_mini_batch`` (one call = one actor update): for a run whose
-engine holds one of our schedulers, it measures the global length, score and mismatch
-figures, hands them to the scheduler before verl's update, and adds the ``lrstab/*`` and
-``mismatch/*`` figures to the metrics verl returns. Any other run goes straight to verl.
+engine holds one of our schedulers, it reads the driver's tags, then calls in order
+:func:`.signals.measure_batch` (the global length, score and mismatch figures),
+:func:`.steps.run_update` (handed to the scheduler, verl's update) and
+:func:`.cosignals.finish_update` (what the update logged; the ``lrstab/*`` and ``mismatch/*``
+figures added to the metrics verl returns). Any other run goes straight to verl.
 
 verl's V1 ``separate_async`` trainer runs ``parameter_sync_step`` updates per trainer step;
 the driver tags each batch with its position (:mod:`.driver`). The figures of a trainer
@@ -17,12 +19,9 @@ from __future__ import annotations
 
 import logging
 
-from verl_lrstab.bypass import is_bypass
 from verl_lrstab.config import OPTIONS_KEY
-from verl_lrstab.glue import signals
-from verl_lrstab.glue.bypass import train_mini_batch_bypass
-from verl_lrstab.glue.steps import (PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError, begin_update, finish_update,
-                                    run_update, state_of, step_position)
+from verl_lrstab.glue import cosignals, signals
+from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError, StepPosition, run_update, state_of
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
 from verl_lrstab.schedule import FedSchedule
 
@@ -48,8 +47,8 @@ def worker_checks(module, mini):
 
 
 def _train_mini_batch(original_fn, self, *args, **kwargs):
-    """One actor update of a ``length_surge`` run: open it, measure the batch (one collective), run verl's
-    update with the figures fed, then feed and log what the update logged (one collective); :mod:`.steps`."""
+    """One actor update of a ``length_surge`` run: measure the batch (one collective), run verl's update with
+    the step's figures fed (bypass mode: one more collective), then finish it (one collective)."""
     from verl.utils import tensordict_utils as tu
 
     data = argument((self,) + args, kwargs, 1, "data")
@@ -60,14 +59,25 @@ def _train_mini_batch(original_fn, self, *args, **kwargs):
         raise GlueError(f"{OPTIONS_KEY}.trigger={scheduler.config.trigger!r} needs the rollout engine's log-probs, "
                         "and the actor batch has no 'rollout_log_probs': set "
                         "actor_rollout_ref.rollout.calculate_log_probs=true (or trigger: length)")
-    state = begin_update(scheduler, position)
     batch = signals.measure_batch(data, self.engine.get_data_parallel_group(), position.cap or None, pre_rs)
-    run = lambda: original_fn(self, *args, **kwargs)  # noqa: E731
-    if is_bypass(batch.mismatch):  # old_log_probs := rollout_log_probs: figures from the loss's own forward
-        output, logged = train_mini_batch_bypass(self, scheduler, state, data, run, batch, position)
-    else:
-        output, logged = run_update(scheduler, state, batch, position, run)
-    return finish_update(scheduler, state, output, position.last, logged)
+    output, state = run_update(self, data, scheduler, batch, position, lambda: original_fn(self, *args, **kwargs))
+    return cosignals.finish_update(scheduler, state.cosignals, output, position.last, state.logged)
+
+
+def step_position(value) -> StepPosition:
+    """The :class:`~.steps.StepPosition` of the driver's tag; a missing tag is an error, never a guess."""
+    if value is None:
+        raise GlueError("verl_lrstab: the actor batch carries no trainer-step tag (lrstab_step_position): the "
+                        "driver-side glue (PPOTrainer._update_actor / RayPPOTrainer._update_actor) did not run in "
+                        "the trainer's process, so the scheduler cannot tell trainer steps apart. Check the "
+                        "ERROR logged there; verl-lrstab supports verl 0.9.x (`python patches/check_verl.py`).")
+    values = [int(v) for v in value]
+    if len(values) not in (3, 4):
+        raise ValueError(f"verl_lrstab: bad trainer-step position {list(value)!r}")
+    index, count, is_async, cap = (*values, 0) if len(values) == 3 else values
+    if not 0 <= index < count or cap < 0:
+        raise ValueError(f"verl_lrstab: bad trainer-step position {list(value)!r}")
+    return StepPosition(index, count, bool(is_async), cap)
 
 
 def make_infer_batch(original_fn):
@@ -89,6 +99,6 @@ def _infer_batch(original_fn, self, *args, **kwargs):
         tu.get(data, key="compute_loss", default=True)
     output = original_fn(self, *args, **kwargs)
     if old_log_prob_pass:  # every rank of the default group, each such pass: one collective
-        state_of(self.engine.lr_scheduler).entropy = signals.old_log_prob_entropy(output, data)
+        state_of(self.engine.lr_scheduler).cosignals.entropy = cosignals.old_log_prob_entropy(output, data)
     return output
 
