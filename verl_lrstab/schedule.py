@@ -253,7 +253,9 @@ class UpdateFigures:
     ``response_length/mean``), ``mismatch_kl`` (the trigger's and cusum's mismatch figure),
     ``score`` (``critic/score/mean``) and ``clip_ratio`` (the share of responses at the cap).
     ``cosignals``: what the update itself logged (``grad_norm``, ``kl_loss``, ``pg_clipfrac``,
-    ``entropy``), which exists only after it.
+    ``entropy``), which exists only after it. ``updates_per_step``: the actor updates of the
+    trainer step (verl's ``separate_async``: several; None: unchanged), see
+    :meth:`FedSchedule.set_updates_per_step`.
     """
 
     response_length: Optional[float] = None
@@ -261,6 +263,7 @@ class UpdateFigures:
     score: Optional[float] = None
     clip_ratio: Optional[float] = None
     cosignals: Mapping[str, float] = field(default_factory=dict)
+    updates_per_step: Optional[int] = None
 
     @property
     def has_batch_figures(self) -> bool:
@@ -286,6 +289,8 @@ class FedSchedule:
         only once the update ran, after its step: they are observed at once, under the update
         last stepped (the detector reads them from its next decision on).
         """
+        if figures.updates_per_step is not None:
+            self.set_updates_per_step(figures.updates_per_step)
         if figures.has_batch_figures:
             self._waiting = figures
         if figures.cosignals or not figures.has_batch_figures:

@@ -242,8 +242,7 @@ def run_update(worker, data, scheduler: FedSchedule, batch: signals.BatchStats, 
     hold = contextlib.nullcontext() if position.last else scheduler.holding()
     with hold, capture:
         if figures is not None:
-            scheduler.set_updates_per_step(position.count)
-            scheduler.observe_update(figures)
+            scheduler.observe_update(dataclasses.replace(figures, updates_per_step=position.count))
         output = run()
         state.fed = None  # the step is taken: a figure reduced after the update is logged, not fed
     if batch.bypass and position.last and not state.logged:
