@@ -58,6 +58,22 @@ def test_warmup_then_constant_like_verl():
     assert drive(sched, opt, [100.0] * 6) == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
 
 
+def test_updates_per_step_handed_with_the_figures_turn_an_update_warmup_into_trainer_steps():
+    # verl's V1 separate_async resolves the warmup in actor updates (8 = 4 trainer steps x 2 updates);
+    # the scheduler steps once per trainer step, so the ramp takes ceil(8 / 2) = 4 of them
+    opt, sched = make(lr=1.0, warmup_steps=8)
+    lrs = []
+    for _ in range(6):
+        sched.observe_update(UpdateFigures(response_length=100.0, updates_per_step=2))
+        opt.step()
+        sched.step()
+        lrs.append(sched.get_last_lr()[0])
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0]) and sched.updates_per_step == 2
+    # figures without the count leave it as it is
+    sched.observe_update(UpdateFigures(response_length=100.0))
+    assert sched.updates_per_step == 2
+
+
 def test_a_handed_length_is_consumed_by_a_bare_step():
     opt, sched = make(config={"skip_first_steps": 0})
     sched.observe_update(UpdateFigures(response_length=321.0))
