@@ -70,6 +70,7 @@ __all__ = [
     "TAIL_EDGES",
     "TAIL_LABELS",
     "compute_stats",
+    "covers_tokens",
     "all_reduce_or_none",
     "capture_first_mini_batch",
     "collective_device",
@@ -188,7 +189,7 @@ def finalize(stats: Optional[torch.Tensor], prefix: str = "mismatch/") -> Option
         seq_k1, seq_k3, max_abs_diff, frac_over_thr, frac_over_<e> (:data:`TAIL_LABELS`), n_tokens,
         n_nonfinite.
     """
-    if not _covers_tokens(stats):
+    if not covers_tokens(stats):
         return None
     s = dict(zip(STAT_FIELDS, stats.tolist()))
     n_tokens, n_seqs = s["n_tokens"], s["n_seqs"]
@@ -350,7 +351,7 @@ class FirstMiniBatchCapture:
         else:
             local = self.stats.detach().to(torch.float64).cpu()
         reduced = all_reduce_or_none(local, n, n_max=1, group=group)
-        self.global_stats = reduced if _covers_tokens(reduced) else None
+        self.global_stats = reduced if covers_tokens(reduced) else None
         self.reduced = True
         return self.global_stats
 
@@ -457,7 +458,7 @@ def _combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([a[:_N_SUM] + b[:_N_SUM], torch.maximum(a[_N_SUM:], b[_N_SUM:])])
 
 
-def _covers_tokens(stats: Optional[torch.Tensor]) -> bool:
+def covers_tokens(stats: Optional[torch.Tensor]) -> bool:
     """Stats that give figures: some response token, a finite count."""
     if stats is None:
         return False

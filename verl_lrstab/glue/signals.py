@@ -11,7 +11,6 @@ trainer step is :mod:`.steps`'; what verl's update itself gives, after it, :mod:
 from __future__ import annotations
 
 import logging
-import math
 from typing import Iterable, NamedTuple, Optional
 
 import torch
@@ -168,9 +167,6 @@ def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_
                       shows_bypass_mode(stats))
 
 
-_N_TOKENS = mismatch.STAT_FIELDS.index("n_tokens")  # (the last field is max_abs)
-
-
 def shows_bypass_mode(stats: Optional[torch.Tensor]) -> bool:
     """True when global mismatch stats show verl's bypass mode: trainer and rollout log-probs equal bit for bit.
 
@@ -180,10 +176,7 @@ def shows_bypass_mode(stats: Optional[torch.Tensor]) -> bool:
     agree on every token to the last bit (fp32 vs fp32 with other batch shapes differs by ~1e-7);
     bypass mode always does. Every rank holds the same global stats, so every rank takes the same branch.
     """
-    if stats is None:
-        return False
-    n_tokens, max_abs = stats[_N_TOKENS].item(), stats[-1].item()
-    return math.isfinite(n_tokens) and n_tokens > 0 and max_abs == 0.0
+    return mismatch.covers_tokens(stats) and stats[-1].item() == 0.0  # (the last field is max_abs)
 
 
 def _local_length(data, cap: Optional[int]) -> Optional[torch.Tensor]:
