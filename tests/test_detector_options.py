@@ -213,13 +213,13 @@ def test_a_same_step_score_dip_on_a_one_step_spike_never_confirms():
     assert fired and 71 <= fired[0] <= 74, fired
 
 
-def fires_rows(steps, lengths, score=None, kl=None, **options):
-    """:func:`fires` for a log with rows at ``steps`` only."""
+def fires_rows(steps, lengths, score=None, kl=None, co=None, **options):
+    """:func:`fires` for a log with rows at ``steps`` only; ``co``: verl's co-signals ``{name: column}``."""
     det = CusumDetector(**options)
     out = []
     for i, (s, v) in enumerate(zip(steps, lengths)):
         feeds = {k: col[i] for k, col in (("score", score), ("kl", kl)) if col is not None}
-        if det.update(s, v, **feeds):
+        if det.update(s, v, **feeds, **{k: col[i] for k, col in (co or {}).items()}):
             out.append(s)
     return out
 
@@ -241,6 +241,66 @@ def test_a_mismatch_kl_risen_with_the_length_confirms_a_sparse_logs_alarm_on_its
     alone = fires_rows(steps, lengths)
     assert alone and fires_rows(steps, lengths, score, kl(1.75)) == alone
     assert fires_rows(steps, lengths, score, kl(1.45)) == []
+
+
+# -- a log written every few steps where the score is the only witness -------------------------------
+def flat_cosignals(steps):
+    """verl's entropy and grad norm, flat (+-1 %) on every row: a healthy update."""
+    return {"entropy": [0.4 * alt(i, 0.01) for i in range(len(steps))],
+            "grad_norm": [0.3 * alt(i, 0.01) for i in range(len(steps))]}
+
+
+def test_a_sparse_logs_long_row_with_a_score_dip_waits_for_the_next_row_where_the_score_is_the_only_witness():
+    # logged every 5 steps, verl's co-signals flat, no mismatch KL: one row +50 % long scores 0.2 lower (a long
+    # batch's composition) and the next row both are back: no surge. Whether it reverts is known at the next
+    # row, so a rise that holds (the control) fires there, one row later, not never
+    steps = EVERY5
+    base = [1000.0 * alt(i, 0.01) for i in range(len(steps))]
+    score = [0.8 + (0.01 if i % 2 else -0.01) for i in range(len(steps))]
+    spike_len = [v * (1.5 if s == RISE_ROW else 1.0) for s, v in zip(steps, base)]
+    spike_score = [v - (0.2 if s == RISE_ROW else 0.0) for s, v in zip(steps, score)]
+    assert fires_rows(steps, spike_len, spike_score, co=flat_cosignals(steps)) == []
+    held_len = [v * (1.5 if s >= RISE_ROW else 1.0) for s, v in zip(steps, base)]
+    held_score = [v - (0.2 if s >= RISE_ROW else 0.0) for s, v in zip(steps, score)]
+    assert fires_rows(steps, held_len, held_score, co=flat_cosignals(steps)) == [RISE_ROW + 5]
+    # the plain rule where the score is not the only witness: no verl co-signal logged (nothing says the
+    # run is healthy), or the mismatch KL logged; the long row's dip confirms at that row, as before
+    assert fires_rows(steps, spike_len, spike_score) == [RISE_ROW]
+    flat_kl = [1e-3 * alt(i, 0.02) for i in range(len(steps))]
+    assert fires_rows(steps, spike_len, spike_score, kl=flat_kl, co=flat_cosignals(steps)) == [RISE_ROW]
+
+
+@pytest.mark.parametrize(("fall_z", "with_cosignals", "fires_at_all"),
+                         [(4.2, False, True), (4.2, True, False), (4.6, True, True)])
+def test_a_sparse_logs_score_fall_needs_1_25x_its_noise_units_where_the_score_is_the_only_witness(
+        fall_z, with_cosignals, fires_at_all):
+    # logged every 5 steps, the length 1.5x from RISE_ROW on (held), the score (0.8 +- 0.01) lower by
+    # fall_z noise units from there: its noise 1.2533 x 0.01, its "now" the last 2 rows, its reference 8
+    # rows, so a unit is 1.25 x 0.012533 x sqrt(1/2 + 1/8). 4.2 units pass score_z (3.5) but not
+    # 1.25 x 3.5 = 4.375, which 4.6 units pass (a bar of 1.15x or 1.35x flips one of them)
+    steps = EVERY5
+    unit = 1.25 * 1.2533 * 0.01 * math.sqrt(1 / 2 + 1 / 8)
+    lengths = [1000.0 * (1.5 if s >= RISE_ROW else 1.0) * alt(i, 0.01) for i, s in enumerate(steps)]
+    score = [0.8 + (0.01 if i % 2 else -0.01) - (fall_z * unit if s >= RISE_ROW else 0.0) for i, s in enumerate(steps)]
+    fired = fires_rows(steps, lengths, score, co=flat_cosignals(steps) if with_cosignals else None)
+    assert fired == ([RISE_ROW + 5] if fires_at_all else []), fired
+
+
+@pytest.mark.parametrize(("early_high", "back_to", "with_cosignals", "expected"),
+                         [(1.25, 1.5, True, []), (1.25, 1.5, False, [RISE_ROW]), (3.0, 3.0, True, [RISE_ROW])])
+def test_a_sparse_rebounds_score_collapse_needs_the_stricter_bar_only_back_near_a_modest_earlier_high(
+        early_high, back_to, with_cosignals, expected):
+    # logged every 5 steps: an early high (steps <= 10), then flat; one row at RISE_ROW back near it (a
+    # rebound) with the score (0.8 +- 0.05) at 0.47: 59 % of its level, 3.97 units below it (noise 1.2533 x
+    # 0.05, a unit 1.25 x that x sqrt(1 + 1/8)), past score_z but not 1.25 x score_z. Near a high of 1.25x
+    # the baseline, one long batch reaches it and flat co-signals say healthy: the stricter bar holds. A
+    # return to 3x is no long batch, and without co-signals nothing says healthy: the collapse fires
+    steps = EVERY5
+    lengths = [1000.0 * (early_high if s <= 10 else back_to if s == RISE_ROW else 1.0) * alt(i, 0.01)
+               for i, s in enumerate(steps)]
+    score = [0.47 if s == RISE_ROW else 0.8 + (0.05 if i % 2 else -0.05) for i, s in enumerate(steps)]
+    fired = fires_rows(steps, lengths, score, co=flat_cosignals(steps) if with_cosignals else None)
+    assert fired == expected, fired
 
 
 def test_max_surges_reports_one_surge_unless_asked_for_more():

@@ -113,7 +113,8 @@ class LengthSurgeConfig:
             of the steps before and after it (a single long batch, back the next step, > 1): it is
             no part of the level, and a score dip on it, or on a newest step this multiple of the
             step before (known to revert only at the next step), never confirms an alarm (long answers
-            are more often wrong or cut off: the batch's composition, not a trend). Default 1.2.
+            are more often wrong or cut off: the batch's composition, not a trend). In a log written
+            every few steps where the score is the only witness, rows count as steps. Default 1.2.
         max_surges (int): how many surges the detector reports per run. Default 1. The
             schedule always follows the first one; later ones are only reported.
         mismatch_budget (float | None): fixed budget on the mismatch KL for the mismatch

@@ -36,7 +36,10 @@ Two stages, every decision from data up to the current step only:
    batch, back the next step) is no part of the level, and a score observation on it, or on a
    newest step ``spike_rise`` x the step before (whether it reverts is known at the next step), never
    confirms: long answers are more often wrong or cut off, so a same-step score dip on a long
-   batch is the batch's composition, not a trend.
+   batch is the batch's composition, not a trend. In a log written every few steps a row's
+   neighbours are 5-10 steps away; where the score is its only witness there (verl's co-signals
+   logged and flat, no mismatch KL), the same test runs on rows, and a score fall needs
+   ``SPARSE_SCORE_BAR`` x its noise units (a rebound's collapse too, back near a modest high).
 3. **Runaway.** Whatever the co-signals say, an armed alarm fires once the level reaches
    ``runaway_rise`` x the alarm's baseline and the run was not that long before (not a rebound):
    the paper's surge (1000 -> 3000-4000 tokens within a few steps, METHOD.md) may come with a
@@ -108,6 +111,11 @@ COLLAPSE_SHARE = 0.8
 # against one of 20 passes 1.25x by chance on ~1 decision in 100.
 KL_WITH_MIN = 1.35
 COLLAPSE_Z = 1.0
+# Where the score is the only witness of a log written every few steps (CusumDetector._score_alone), a
+# score fall counts at this multiple of its noise units: there the one-step-spike test cannot tell a long
+# batch that reverts from a rise that holds (its neighbours are 5-10 steps away), so the score's "now" may
+# hold a long batch's composition dip, and verl's flat co-signals are evidence of a healthy run.
+SPARSE_SCORE_BAR = 1.25
 
 
 def _window(rows, lo: int, min_rows: int = MIN_ROWS) -> list[float]:
@@ -152,7 +160,8 @@ class CusumDetector:
             this multiple of the alarm's baseline (and not a rebound). Default 2.5.
         spike_rise (float): a length at least this multiple of the steps before and after it is a
             one-step spike: no part of the level, and no score observation of it (nor of a newest
-            step this multiple of the step before) confirms an alarm. Default 1.2.
+            step this multiple of the step before) confirms an alarm; rows count as steps where the
+            score is a sparse log's only witness (:meth:`_score_alone`). Default 1.2.
         max_surges (int): surges reported at most. Default 1.
     """
 
@@ -339,12 +348,18 @@ class CusumDetector:
         ``rows`` are the earlier levels looked at: the 5-row medians by default. The level is a
         rebound while below ``margin`` (default ``rebound_margin``) x the earlier high.
         """
+        old = self._earlier_high(step, rows)
+        if old is None or old < b + math.log(self.min_rise if high is None else high):
+            return False
+        return math.log(self.level) < old + math.log(self.rebound_margin if margin is None else margin)
+
+    def _earlier_high(self, step: int, rows=None) -> Optional[float]:
+        """The highest of ``rows`` (default: the 5-row medians) of the last ``rebound_memory`` steps before
+        the baseline window, skipped early steps included (a log value), or None."""
         start = step - self.lag - self.span
         old = [v for s, v in (self._high if rows is None else rows)
                if s > step - self.rebound_memory and (s <= start or s <= self.skip_first_steps)]
-        if not old or max(old) < b + math.log(self.min_rise if high is None else high):
-            return False
-        return math.log(self.level) < max(old) + math.log(self.rebound_margin if margin is None else margin)
+        return max(old) if old else None
 
     def _one_step_spikes(self) -> set:
         """Steps whose length is a **one-step spike**: at least ``spike_rise`` x the length of the step
@@ -369,13 +384,39 @@ class CusumDetector:
         return (len(rows) >= 2 and rows[-1][0] == step and rows[-2][0] == step - 1
                 and rows[-1][1] - rows[-2][1] >= math.log(self.spike_rise))
 
-    def _composition_free_score(self, step: int) -> list:
+    def _composition_free_score(self, step: int, rows: bool = False) -> list:
         """The score's observations less those of one-step spikes and of a newest step whose length just
-        jumped: a score is never confirmed by a same-step dip on a long batch alone."""
+        jumped: a score is never confirmed by a same-step dip on a long batch alone.
+
+        ``rows``: the same test on rows, whatever the steps between them (a log written every few steps,
+        where the score is the only witness: see :meth:`_score_alone`): a row ``spike_rise`` x the rows
+        before and after it, and a newest row ``spike_rise`` x the row before, are left out too. The
+        level keeps them (a high row there may be a short excursion); only their score is set aside.
+        """
         drop = self._one_step_spikes()
         if self._jumped(step):
             drop.add(step)
+        if rows:
+            bar, log = math.log(self.spike_rise), self._log
+            drop |= {s1 for (_, y0), (s1, y1), (_, y2) in zip(log, log[1:], log[2:]) if min(y1 - y0, y1 - y2) >= bar}
+            if len(log) >= 2 and log[-1][0] == step and log[-1][1] - log[-2][1] >= bar:
+                drop.add(step)
         return [r for r in self._score if r[0] not in drop] if drop else self._score
+
+    def _score_alone(self, step: int, up: int) -> bool:
+        """The score is the only witness of a log written every few steps: the newest length row is more
+        than one step after the row before, verl's co-signals are logged and none has risen (``up``),
+        and no mismatch KL is logged.
+
+        There a row is one batch whose neighbours are 5-10 steps away: whether a long row reverts (a
+        one-step spike, its score dip the batch's composition) is known only at the next row, and flat
+        co-signals are evidence of a healthy run. So a long row's score waits for the next row, and a
+        score fall counts at ``SPARSE_SCORE_BAR`` x its noise units. Where the KL is logged, or no verl
+        co-signal is, the plain rule stands (its witnesses, or their absence, say nothing of health).
+        """
+        log = self._log
+        return (len(log) >= 2 and log[-1][0] == step and log[-1][0] - log[-2][0] > 1 and not self._kl
+                and self._cosignals_seen(step) and up == 0)
 
     def _runaway(self, alarm: dict) -> bool:
         """The level reached ``runaway_rise`` x the alarm's baseline, a level the run did not have before."""
@@ -461,6 +502,7 @@ class CusumDetector:
         if (self._watch is None and self._cusum >= self.threshold / 2 and fast >= self.min_rise
                 and self._rebound(step, b, margin=None)):
             self._watch = w = self._refs(step, b)
+            w["high"] = self._earlier_high(step)  # a log value (a rebound has one)
             # the score's noise over the baseline window alone: the 60 steps of the usual scale may
             # hold the run's early climb (a trend, not noise), all the more in a sparse score
             vals = self._ref(self._score, step - self.lag - self.span, step - self.lag)[2]
@@ -479,7 +521,13 @@ class CusumDetector:
             return False
         now = self._score[-1][1]  # its latest observation: a fall to 60 % is no noise (at 7 units too)
         unit = MEDIAN_SD * w["score_noise"] * math.sqrt(1 + 1 / w["score_n"])
-        return now <= COLLAPSE_SHARE * w["score_ref"] and (w["score_ref"] - now) / unit >= COLLAPSE_Z * self.score_z
+        # a return to a high under RECOVERY_HIGH x the baseline is within a long-tailed length's reach of one
+        # batch: where the score is the only witness of a sparse log, its fall needs the stricter bar too
+        high = w.get("high")  # a watch of an older checkpoint has none: the plain bar
+        near = high is not None and high < math.log(RECOVERY_HIGH * w["baseline"])
+        strict = near and self._score_alone(step, self.cosignals_up)
+        bar = COLLAPSE_Z * self.score_z * (SPARSE_SCORE_BAR if strict else 1.0)
+        return now <= COLLAPSE_SHARE * w["score_ref"] and (w["score_ref"] - now) / unit >= bar
 
     def _score_rising(self, step: int, a: dict) -> bool:
         """The score's 5-step level is ``score_z`` noise units above the alarm's pre-alarm level (learning)."""
@@ -500,10 +548,11 @@ class CusumDetector:
         self.kl_ratio = kl_now / a["kl_ref"] if a["kl_ref"] > 0 else _NAN  # NaN compares False
         self.kl_with_length = self._kl_with_length(step, a)
         self.clip_delta = self._recent(self._clip, step, rows_min=1)[0] - a["clip_ref"]
-        now, n_now = self._recent(self._composition_free_score(step), step)
+        up = self._up(step, a)
+        alone = self._score_alone(step, up)
+        now, n_now = self._recent(self._composition_free_score(step, rows=alone), step)
         if not n_now and self._score and a["score_n"]:
             return None  # a score is logged, but so far only on one-step spikes: held, never the length alone
-        up = self._up(step, a)
         if not a["score_n"] or not n_now:
             self.score_z_now = _NAN
             if up >= COSIGNAL_VOTES:
@@ -523,8 +572,8 @@ class CusumDetector:
         # A fall from the pre-alarm level, or from a peak since the alarm that was a clear rise.
         top = a["score_peak"] if (a["score_peak"] - a["score_ref"]) / unit >= 2 * self.score_z else a["score_ref"]
         old_unit = MEDIAN_SD * a["score_noise"] * math.sqrt(1 / n_now + 1 / a["score_old_n"]) if a["score_old_n"] else 0
-        if ((top - now) / unit >= self.score_z * a["z_factor"] or
-                (old_unit and (a["score_old"] - now) / old_unit >= self.score_z * a["z_factor"])) and \
+        bar = self.score_z * a["z_factor"] * (SPARSE_SCORE_BAR if alone else 1.0)
+        if ((top - now) / unit >= bar or (old_unit and (a["score_old"] - now) / old_unit >= bar)) and \
                 not self._jumped(step):
             # the score falls while the length is up: the pre-collapse signature (not on a row whose
             # length just jumped: whether that is a one-step spike is known at the next row)
