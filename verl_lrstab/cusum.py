@@ -361,7 +361,7 @@ class CusumDetector:
                if s > step - self.rebound_memory and (s <= start or s <= self.skip_first_steps)]
         return max(old) if old else None
 
-    def _one_step_spikes(self) -> set:
+    def _one_step_spikes(self, adjacent: bool = True) -> set:
         """Steps whose length is a **one-step spike**: at least ``spike_rise`` x the length of the step
         before and of the step after (adjacent steps, both logged), i.e. it reverted the next step.
 
@@ -369,19 +369,20 @@ class CusumDetector:
         no part of the run's level, and their same-step score dip (long answers are more often wrong
         or cut off) is the batch's composition, not a trend. In a log written every few steps a row's
         neighbours are 5-10 steps away, and a high row between them may be a short excursion (a 10x
-        one lasts 8 steps) rather than one batch: nothing there is a one-step spike.
+        one lasts 8 steps) rather than one batch: nothing there is a one-step spike. ``adjacent=False``:
+        rows, whatever the steps between them (see :meth:`_composition_free_score`).
         """
         bar, rows, out = math.log(self.spike_rise), self._log, set()
         for (s0, y0), (s1, y1), (s2, y2) in zip(rows, rows[1:], rows[2:]):
-            if s1 - s0 == 1 and s2 - s1 == 1 and y1 - y0 >= bar and y1 - y2 >= bar:
+            if (not adjacent or (s1 - s0 == 1 and s2 - s1 == 1)) and y1 - y0 >= bar and y1 - y2 >= bar:
                 out.add(s1)
         return out
 
-    def _jumped(self, step: int) -> bool:
-        """The length of ``step`` (the newest row) is ``spike_rise`` x the step before's: whether it reverts
-        (a one-step spike) is known only at the next step."""
+    def _jumped(self, step: int, adjacent: bool = True) -> bool:
+        """The length of ``step`` (the newest row) is ``spike_rise`` x the step before's (``adjacent``: the
+        row of ``step - 1``): whether it reverts (a one-step spike) is known only at the next step."""
         rows = self._log
-        return (len(rows) >= 2 and rows[-1][0] == step and rows[-2][0] == step - 1
+        return (len(rows) >= 2 and rows[-1][0] == step and (not adjacent or rows[-2][0] == step - 1)
                 and rows[-1][1] - rows[-2][1] >= math.log(self.spike_rise))
 
     def _composition_free_score(self, step: int, rows: bool = False) -> list:
@@ -393,14 +394,9 @@ class CusumDetector:
         before and after it, and a newest row ``spike_rise`` x the row before, are left out too. The
         level keeps them (a high row there may be a short excursion); only their score is set aside.
         """
-        drop = self._one_step_spikes()
-        if self._jumped(step):
+        drop = self._one_step_spikes(adjacent=not rows)
+        if self._jumped(step, adjacent=not rows):
             drop.add(step)
-        if rows:
-            bar, log = math.log(self.spike_rise), self._log
-            drop |= {s1 for (_, y0), (s1, y1), (_, y2) in zip(log, log[1:], log[2:]) if min(y1 - y0, y1 - y2) >= bar}
-            if len(log) >= 2 and log[-1][0] == step and log[-1][1] - log[-2][1] >= bar:
-                drop.add(step)
         return [r for r in self._score if r[0] not in drop] if drop else self._score
 
     def _score_alone(self, step: int, up: int) -> bool:
