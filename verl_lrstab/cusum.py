@@ -511,7 +511,8 @@ class CusumDetector:
         if fast < self.min_rise * w["baseline"] / math.exp(b) or step - w["step"] > self.confirm_steps:
             self._watch = None
             return False
-        if self._up(step, w, fresh=True) >= COSIGNAL_VOTES and not self._score_rising(step, w):
+        up = self._up(step, w, fresh=True)
+        if up >= COSIGNAL_VOTES and not self._score_rising(step, w):
             return True  # two of verl's co-signals risen with the return, the score not rising: a surge
         if not w["score_n"] or not self._score or not w["score_ref"] > 0:
             return False
@@ -521,7 +522,7 @@ class CusumDetector:
         # batch: where the score is the only witness of a sparse log, its fall needs the stricter bar too
         high = w.get("high")  # a watch of an older checkpoint has none: the plain bar
         near = high is not None and high < math.log(RECOVERY_HIGH * w["baseline"])
-        strict = near and self._score_alone(step, self.cosignals_up)
+        strict = near and self._score_alone(step, up)
         bar = COLLAPSE_Z * self.score_z * (SPARSE_SCORE_BAR if strict else 1.0)
         return now <= COLLAPSE_SHARE * w["score_ref"] and (w["score_ref"] - now) / unit >= bar
 
