@@ -281,7 +281,7 @@ BAD_VALUES = {
     "cusum_score_z": "nan", "cusum_kl_rise": "1", "cusum_clip_rise": "-0.1", "cusum_runaway_rise": "1",
     "cusum_spike_rise": "1", "mismatch_budget": "-1",
     "mismatch_budget_factor": "0", "mismatch_calibration_steps": "0", "mismatch_metric": "k1",
-    "monitor_only": "maybe", "decay_from_step": "-1", "guard_rollbacks": "-1",
+    "monitor_only": "maybe", "decay_from_step": "-1", "guard_rollbacks": "-1", "length_tokens": "tools",
 }
 
 

@@ -127,6 +127,12 @@ class LengthSurgeConfig:
         monitor_only (bool): run the detector(s) and log every ``lrstab/*`` and ``mismatch/*``
             figure, but never decay: the LR is verl's constant schedule (warmup included).
             For the constant-LR baseline arms of a comparison. Default False.
+        length_tokens (str): which tokens of a response the detector counts as its length:
+            ``"auto"`` (default: the model's own tokens, ``response_mask``, on a trainer step
+            whose responses hold tokens the model did not sample, as tool output in a multi-turn
+            rollout; else every response token, verl's ``response_length/mean``, the same
+            number there), ``"model"`` (the model's own tokens always) or ``"all"`` (every
+            response token always, tool output included). docs/agentic.md.
     """
 
     # The keys the user set (from_dict); None: built in code, every value chosen. Not an option.
@@ -167,6 +173,7 @@ class LengthSurgeConfig:
     mismatch_calibration_steps: int = 10
     mismatch_metric: str = "k3"
     monitor_only: bool = False
+    length_tokens: str = "auto"
 
     def __post_init__(self):
         _check(_positive(self.period_factor) and self.period_factor <= MAX_PERIOD_FACTOR, "period_factor",
@@ -230,6 +237,8 @@ class LengthSurgeConfig:
         _check(self.mismatch_metric in MISMATCH_METRICS, "mismatch_metric", self.mismatch_metric,
                f"one of {list(MISMATCH_METRICS)}")
         _check(isinstance(self.monitor_only, bool), "monitor_only", self.monitor_only, "true or false")
+        _check(self.length_tokens in ("auto", "model", "all"), "length_tokens", self.length_tokens,
+               "one of ['auto', 'model', 'all']")
 
     @classmethod
     def from_dict(cls, options: Optional[Mapping[str, Any]]) -> "LengthSurgeConfig":

@@ -1,8 +1,8 @@
 """The batch's figures the worker feeds the scheduler, measured as verl logs them, over the global batch.
 
-:func:`measure_batch`: the length, score and mismatch statistics of one actor batch, and whether
-they show verl's bypass mode, in one collective over the data-parallel group, before verl's
-update. One convention for a rank that cannot measure
+:func:`measure_batch`: the length (every response token, and the model's own tokens: docs/agentic.md),
+score and mismatch statistics of one actor batch, and whether they show verl's bypass mode, in one
+collective over the data-parallel group, before verl's update. One convention for a rank that cannot measure
 (:func:`verl_lrstab.collective.reduce_or_none`: if one rank cannot, no rank gets the figure, so
 every rank takes the same decision). Measuring only: what is kept between the updates of a
 trainer step is :mod:`.steps`'; what verl's update itself gives, after it, :mod:`.cosignals`'.
@@ -39,6 +39,34 @@ def response_lengths(data):
     raise KeyError("verl_lrstab: the actor batch has neither jagged 'responses' (V1) nor 'attention_mask' with "
                    "'response_mask' (V0), so the response length cannot be measured as verl logs it "
                    f"(response_mask alone would leave out tool tokens); keys: {list(data.keys())}")
+
+
+def model_token_counts(data):
+    """Per-sample counts of the model's own response tokens, over the samples :func:`response_lengths` counts.
+
+    verl marks them with ``response_mask``: 1 on the tokens the model sampled, 0 on the tokens
+    it did not (a multi-turn agent loop's tool output and chat-template glue between turns;
+    rejection sampling also sets 0 on the tokens it rejects). V1: the jagged mask, V1's
+    synthetic padding samples left out; V0: the padded mask within the response's
+    ``attention_mask``. A single-turn response is all the model's: the counts equal the lengths.
+    """
+    mask = data.get("response_mask", None) if hasattr(data, "get") else None
+    if mask is None:
+        raise KeyError(f"no 'response_mask' in the actor batch (keys: {list(data.keys())})")
+    responses = data.get("responses", None)
+    if responses is not None and getattr(responses, "is_nested", False):
+        if not mask.is_nested or mask.size(0) != responses.size(0):
+            raise ValueError("the jagged 'response_mask' does not match the jagged 'responses'")
+        offsets = mask.offsets()
+        cumsum = torch.cat([offsets.new_zeros(1), (mask.values() != 0).to(offsets.dtype).cumsum(0)])
+        counts = cumsum[offsets[1:]] - cumsum[offsets[:-1]]
+        keep = _v1_real_samples(responses.offsets().diff(), mask)
+        return counts if keep is None else counts[keep]
+    attention_mask = data.get("attention_mask", None)
+    if attention_mask is None or attention_mask.is_nested or mask.is_nested:
+        raise KeyError("the actor batch has neither jagged 'responses' (V1) nor padded 'attention_mask' (V0)")
+    width = mask.shape[-1]
+    return ((mask != 0) & (attention_mask[:, -width:] != 0)).sum(-1)
 
 
 def sequence_scores(data):
@@ -128,6 +156,7 @@ class BatchStats(NamedTuple):
     score: Optional[list]  # [sum, count] of the sequence scores
     mismatch: Optional[torch.Tensor]  # mismatch.STAT_FIELDS
     bypass: bool = False  # the mismatch shows verl's bypass mode (old_log_probs := rollout_log_probs)
+    model_tokens: Optional[float] = None  # the model's own tokens (response_mask) of the responses ``length`` counts
 
 
 def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_stats=None) -> BatchStats:
@@ -146,25 +175,40 @@ def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_
             rejection sampling overwrote ``response_mask`` (already global): they win over the
             worker's own measurement, and do not travel.
 
+    ``model_tokens``: the sum of :func:`model_token_counts` (with ``pre_rejection_stats``: of the mask
+    before rejection, :func:`_model_tokens_before_rejection`), the responses counted by ``length``.
+
     An empty batch gives zero counts (the step is skipped, not counted as unmeasurable); a
     batch without the keys the length comes from gives ``length`` None (the worker counts those);
     one without a score runs the detector on the length alone; one without rollout log-probs
     has no mismatch figures (a warning, once). ``bypass``: :func:`shows_bypass_mode` of the mismatch.
     """
     width = 2 if cap is None else 3
-    parts = [Part(_local_length(data, cap), width), Part(_local_score(data), 2)]
+    parts = [Part(_local_length(data, cap), width), Part(_local_score(data), 2), Part(_local_model_tokens(data), 1)]
     has_log_probs = "rollout_log_probs" in data.keys() and "old_log_probs" in data.keys()
     if pre_rejection_stats is None and has_log_probs:
         parts.append(Part(_local_mismatch(data), len(mismatch.STAT_FIELDS), n_max=1))
-    length, score, *measured = reduce_or_none(parts, dp_group)
+    length, score, model, *measured = reduce_or_none(parts, dp_group)
     if pre_rejection_stats is not None:
         stats = torch.tensor(list(pre_rejection_stats), dtype=torch.float64)
+        model = _model_tokens_before_rejection(stats) if model is not None else None
     else:
         stats = measured[0] if measured else None
         if stats is None:
             mismatch.warn_once("missing")
     return BatchStats(None if length is None else length.tolist(), None if score is None else score.tolist(), stats,
-                      shows_bypass_mode(stats))
+                      shows_bypass_mode(stats), None if model is None else model.item())
+
+
+def _model_tokens_before_rejection(stats: torch.Tensor) -> torch.Tensor:
+    """The model's own tokens of the batch before rejection sampling zeroed ``response_mask`` on the rejected ones.
+
+    The driver's pre-rejection mismatch sums count every token of that mask: the finite ones
+    (``n_tokens``) and the non-finite ones (``n_nonfinite``); read from there, a rejection is not
+    taken for tool output and a single-turn run reads the length it reads without rejection.
+    """
+    fields = dict(zip(mismatch.STAT_FIELDS, stats.tolist()))
+    return torch.tensor([fields["n_tokens"] + fields["n_nonfinite"]], dtype=torch.float64)
 
 
 def shows_bypass_mode(stats: Optional[torch.Tensor]) -> bool:
@@ -188,6 +232,14 @@ def _local_length(data, cap: Optional[int]) -> Optional[torch.Tensor]:
         return torch.stack(figures)
     except Exception as exc:  # noqa: BLE001 - never fail a training step for one unmeasurable batch
         logger.warning("verl_lrstab: could not measure the response length (%s); the step is skipped", exc)
+        return None
+
+
+def _local_model_tokens(data) -> Optional[torch.Tensor]:
+    try:
+        return model_token_counts(data).cpu().sum().double().reshape(1)
+    except Exception as exc:  # noqa: BLE001 - never fail a training step for one unmeasurable batch
+        logger.warning("verl_lrstab: could not count the model's own response tokens (%s)", exc)
         return None
 
 

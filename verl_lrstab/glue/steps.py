@@ -76,6 +76,8 @@ class StepState:
     def reset_batch(self) -> None:
         self.length = [0.0, 0.0]  # sum, count
         self.length_unmeasured = False
+        self.model_tokens = 0.0  # the model's own tokens (response_mask) of the responses counted in ``length``
+        self.model_tokens_valid = True
         self.at_cap = [0.0, 0.0]  # responses at the cap, responses (empty: no cap known)
         self.clip_valid = True
         self.score = [0.0, 0.0]  # sum, count
@@ -83,11 +85,16 @@ class StepState:
         self.mismatch = None  # stats tensor (sums, then max) or None
         self.mismatch_valid = True
         self.bypass = False  # the step's batches show verl's bypass mode
-        self.logged: dict = {}  # the step's mismatch/* figures, logged on its last update
+        self.logged: dict = {}  # the step's mismatch/* and lrstab/model_tokens figures, logged on its last update
+        self.length_logged: dict = {}  # the step's lrstab/model_tokens (kept when bypass mode's mismatch comes)
         self.fed: Optional[UpdateFigures] = None  # handed to the scheduler, its step not taken yet
 
     def add_batch(self, stats: signals.BatchStats) -> None:
         """Add one update's :class:`~.signals.BatchStats` (bypass mode's mismatch comes from elsewhere)."""
+        if stats.length is None or stats.model_tokens is None:
+            self.model_tokens_valid = False
+        else:
+            self.model_tokens += stats.model_tokens
         if stats.length is None:
             self.length_unmeasured = True
         else:
@@ -118,19 +125,33 @@ class StepState:
         """The step's ``mismatch/*`` figures so far, or None."""
         return mismatch.finalize(self.mismatch if self.mismatch_valid else None)
 
-    def figures(self, mismatch_metric: str, is_async: bool) -> tuple:
+    def reads_model_tokens(self, length_tokens: str = "auto") -> bool:
+        """Whether the step's length is the model's own tokens per response (``length_tokens``, the option):
+        ``model``; ``auto`` when the step's responses hold tokens the model did not sample (``response_mask``
+        0: tool output); ``all``: never. A step without such tokens gives the same number either way."""
+        if length_tokens == "model":
+            return True
+        return length_tokens == "auto" and self.model_tokens_valid and self.model_tokens < self.length[0]
+
+    def figures(self, mismatch_metric: str, is_async: bool, length_tokens: str = "auto") -> tuple:
         """``(UpdateFigures, mismatch/* figures or None)``: the step's batch figures for the scheduler (the mean
-        length, NaN: unmeasured; score and clip ratio, None: unavailable; the mismatch figure ``mismatch_metric``)
-        and the step's ``mismatch/*`` figures (none in bypass mode: they come later, :meth:`take_first_mini_batch`).
+        length, NaN: unmeasured, read as ``length_tokens`` says, :meth:`reads_model_tokens`; score and clip
+        ratio, None: unavailable; the mismatch figure ``mismatch_metric``) and the step's ``mismatch/*`` figures
+        (none in bypass mode: they come later, :meth:`take_first_mini_batch`).
 
         In the async modes the rollout's log-probs come from older weights: the figures mix engine
         mismatch with policy staleness, so they are logged but never reach the detector (docs/integration.md).
+        The clip ratio counts the responses whose full length (every response token, the budget verl's
+        rollout caps) reached the cap, whichever length is read (docs/agentic.md).
         """
         figures = None if self.bypass else self.mismatch_figures()
         total, count = self.length
         at_cap, responses = self.at_cap
         score, scored = self.score
         measured = count > 0 and not self.length_unmeasured
+        if self.reads_model_tokens(length_tokens):
+            total = self.model_tokens
+            measured = measured and self.model_tokens_valid
         return UpdateFigures(
             response_length=total / count if measured else math.nan,
             mismatch_kl=None if (figures is None or is_async) else figures.get(f"mismatch/{mismatch_metric}"),
@@ -141,8 +162,12 @@ class StepState:
     def feed_figures(self, scheduler: FedSchedule, position: StepPosition) -> UpdateFigures:
         """The step's batch figures to hand the scheduler (verl's engine then steps it), kept as :attr:`fed`, and its
         ``mismatch/*`` as :attr:`logged`; counts the failures (the figures are handed in :func:`run_update`)."""
-        self.fed, logged = self.figures(scheduler.config.mismatch_metric, position.is_async)
-        self.logged = logged or {}
+        length_tokens = scheduler.config.length_tokens
+        self.fed, logged = self.figures(scheduler.config.mismatch_metric, position.is_async, length_tokens)
+        self.length_logged = self.model_token_figures()
+        self.logged = {**self.length_logged, **(logged or {})}
+        if self.length[1] > 0 and not self.length_unmeasured:
+            announce_length(scheduler, self.reads_model_tokens(length_tokens), length_tokens)
         if scheduler.figures_waiting:  # the previous step's figures were never consumed
             self.unstepped_steps += 1
             if self.unstepped_steps >= MAX_UNSTEPPED_STEPS:
@@ -152,7 +177,7 @@ class StepState:
                                 "`python patches/check_verl.py` lists what no longer matches.")
         else:
             self.unstepped_steps = 0
-        if self.length_unmeasured:
+        if self.length_unmeasured or (self.reads_model_tokens(length_tokens) and not self.model_tokens_valid):
             self.unmeasured_steps += 1
             if self.unmeasured_steps >= MAX_UNMEASURED_STEPS:
                 raise GlueError(f"verl_lrstab: the response length could not be measured on {self.unmeasured_steps} "
@@ -163,6 +188,14 @@ class StepState:
             self.unmeasured_steps = 0
         return self.fed
 
+    def model_token_figures(self) -> dict:
+        """``{"lrstab/model_tokens": the mean of the model's own tokens per response}`` of the step (logged
+        whichever length is read), or ``{}`` where it could not be counted."""
+        total, count = self.length
+        if count <= 0 or self.length_unmeasured or not self.model_tokens_valid:
+            return {}
+        return {MODEL_TOKENS_KEY: self.model_tokens / count}
+
     def take_first_mini_batch(self, scheduler: FedSchedule, position: StepPosition,
                               stats: Optional[torch.Tensor]) -> None:
         """Bypass mode: the first mini-batch's global mismatch stats (None: not measured), at its optimizer step or,
@@ -172,11 +205,37 @@ class StepState:
         if not position.last:
             return
         figures = self.mismatch_figures()
-        self.logged = {**figures, mismatch.BYPASS_KEY: 1.0} if figures else {}
+        self.logged = {**self.length_logged, **({**figures, mismatch.BYPASS_KEY: 1.0} if figures else {})}
         if self.fed is not None:
             metric = f"mismatch/{scheduler.config.mismatch_metric}"
             kl = None if (not figures or position.is_async) else figures.get(metric)
             scheduler.observe_update(dataclasses.replace(self.fed, mismatch_kl=kl))
+
+
+#: The step's mean number of the model's own tokens per response (``response_mask``), as logged (``actor/`` added
+#: by verl's driver), beside verl's ``response_length/mean`` (every response token, tool output included).
+MODEL_TOKENS_KEY = "lrstab/model_tokens"
+#: What the detector reads, as the line that names it says (:func:`announce_length`).
+LENGTH_READ = {
+    True: "the mean number of the model's own tokens per response (response_mask; logged as "
+          "actor/lrstab/model_tokens; verl's response_length/mean also counts tool output)",
+    False: "the mean response length as verl's response_length/mean counts it (every response token)",
+}
+_announced: "weakref.WeakKeyDictionary[FedSchedule, bool]" = weakref.WeakKeyDictionary()
+
+
+def announce_length(scheduler: FedSchedule, reads_model: bool, length_tokens: str) -> None:
+    """Say (rank 0, once, and again whenever it changes) which length the surge detector reads."""
+    if _announced.get(scheduler) is reads_model:
+        return
+    _announced[scheduler] = reads_model
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    why = {"model": "", "all": ""}.get(length_tokens, " (the responses hold tokens the model did not sample)"
+                                       if reads_model else " (every response token is the model's)")
+    print(f"verl_lrstab: the surge detector reads {LENGTH_READ[reads_model]} [length_tokens: {length_tokens}]{why}",
+          flush=True)
 
 
 _states: "weakref.WeakKeyDictionary[FedSchedule, StepState]" = weakref.WeakKeyDictionary()
