@@ -9,7 +9,9 @@ Importing this package registers, through verl's own registries:
   * with ``VERL_PLATFORM=cpu`` only: verl's own ``vllm`` rollout on vLLM's CPU build
     (:mod:`.vllm_rollout`);
   * the OmegaConf resolver ``${lrstab_asset:<model|train|val|root>}`` giving the
-    absolute path of the tiny local assets (:mod:`.assets`).
+    absolute path of the tiny local assets (:mod:`.assets`);
+  * once verl imports its tool agent loop: the ``lrstab_scripted_tools`` agent loop
+    (verl's ``register``), its tool parser and tool, a multi-turn rollout (:mod:`.agentic`).
 
 Load it in every verl process (driver, TaskRunner, Ray workers) with
 ``VERL_USE_EXTERNAL_MODULES=verl_lrstab_cpu`` (verl imports it on ``import verl``;
@@ -43,7 +45,7 @@ def _register_asset_resolver() -> None:
 
 
 def register() -> None:
-    """Register the CPU platform, the transformers rollout and the asset resolver (idempotent)."""
+    """Register the CPU platform, the transformers rollout, the asset resolver and the agent loop (idempotent)."""
     from . import platform  # noqa: F401  (the decorator registers it)
     from .rollout import register as register_rollout
 
@@ -52,6 +54,9 @@ def register() -> None:
 
     register_vllm()
     _register_asset_resolver()
+    from .agentic import register_when_verl_loads
+
+    register_when_verl_loads()
 
 
 register()
