@@ -331,3 +331,56 @@ def replay_with_cosignals(steps, values, config=None, warmup_steps: int = 0, mis
 
     return replay(steps, values, config, warmup_steps, mismatch_kl=mismatch_kl, score=score, clip_ratio=clip_ratio,
                   cosignals=cosignals)
+
+
+# -- which response length a log is replayed on -------------------------------------------------------
+#: The mean number of the model's own tokens per response (``response_mask``), as a length_surge run logs it
+#: beside verl's ``response_length/mean`` (which counts every response token, tool output included).
+MODEL_TOKEN_METRICS = ("actor/lrstab/model_tokens", "lrstab/model_tokens")
+READS_MODEL_TOKENS = "the model's own tokens per response (response_mask)"
+READS_ALL_TOKENS = "every response token (verl's response_length/mean)"
+# verl logs response_length/mean as a float32 mean: a model-token figure within this of it is the same length
+_FLOAT32_REL = 1e-6
+
+
+def length_column(df: pd.DataFrame, given: str | None, length_tokens: str,
+                  candidates: Sequence[str]) -> tuple[str, str]:
+    """``(column, what it counts)``: the response length a replay of ``df`` reads, as the trainer reads it.
+
+    ``given`` (``--metric``) wins. Else by ``length_tokens`` (the scheduler option): ``model``: the
+    model-token column (:data:`MODEL_TOKEN_METRICS`); ``all``: the first of ``candidates`` (verl's
+    ``response_length/mean``); ``auto``: the model-token column where the log has one and its responses
+    held tokens the model did not sample (on some step it is below verl's length), else the first of
+    ``candidates``: a single-turn log replays the length it always did.
+
+    Raises:
+        MissingMetricError: no such column (``model`` without a model-token column names the metric it needs).
+    """
+    source = df.attrs.get("source", "run")
+    if given:
+        return given, READS_MODEL_TOKENS if given in MODEL_TOKEN_METRICS else f"as named ({given})"
+    model = find_metric(df, MODEL_TOKEN_METRICS)
+    full = find_metric(df, candidates)
+    if length_tokens == "model":
+        if model is None:
+            raise MissingMetricError(MODEL_TOKEN_METRICS, df.columns, source)
+        return model, READS_MODEL_TOKENS
+    if length_tokens == "auto" and model is not None and (full is None or _below(df, model, full)):
+        return model, READS_MODEL_TOKENS
+    if full is None:
+        raise MissingMetricError(candidates, df.columns, source)
+    return full, READS_ALL_TOKENS + _multi_turn_note(df, model)
+
+
+def _below(df: pd.DataFrame, model: str, full: str) -> bool:
+    both = pd.concat([metric_series(df, model), metric_series(df, full)], axis=1, join="inner")
+    return bool((both.iloc[:, 0] < both.iloc[:, 1] * (1.0 - _FLOAT32_REL)).any())
+
+
+def _multi_turn_note(df: pd.DataFrame, model: str | None) -> str:
+    """A warning for a multi-turn log without a model-token figure (verl counts a single turn as 2 turns)."""
+    turns = find_metric(df, ("num_turns/max",))
+    if model is not None or turns is None or metric_series(df, turns).max() <= 2:
+        return ""
+    return (f"; the log shows multi-turn responses ({turns} up to {metric_series(df, turns).max():g}) and no "
+            "model-token figure, so this length counts tool output too")

@@ -10,10 +10,9 @@ from verl_lrstab.cli.common import (
     RUN_HELP,
     add_scheduler_options,
     fmt,
-    length_metric,
     scheduler_config,
 )
-from verl_lrstab.cli.replay import KL_HELP, print_head, replay_run
+from verl_lrstab.cli.replay import KL_HELP, print_head, replay_run, replayed_length
 from verl_lrstab.config import OPTIM_KEY, OPTIONS_KEY
 from verl_lrstab.runs import RunError, load_run
 from verl_lrstab.schedule import decay_scale
@@ -24,10 +23,10 @@ def cmd_calibrate(args) -> int:
     if config.decay_period is not None:
         raise RunError("calibrate computes decay_period from the run: do not pass --decay-period")
     df = load_run(args.run)
-    metric = length_metric(df, args.metric)
+    metric, length_read = replayed_length(df, args.metric, config)
     result, values = replay_run(df, metric, config, args.warmup_steps, args.kl_metric, args.score_metric,
                                 args.clip_metric)
-    print_head(args.run, metric, values, result, config)
+    print_head(args.run, metric, values, result, config, length_read)
     if result.decay_period is None:
         print("lrstab: no surge found: nothing to calibrate (a constant-LR run that surges is needed)",
               file=sys.stderr)

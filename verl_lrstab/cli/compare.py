@@ -18,10 +18,10 @@ from verl_lrstab.cli.common import (
     plots_module,
     scheduler_config,
 )
-from verl_lrstab.cli.replay import replay_run
+from verl_lrstab.cli.replay import replay_run, replayed_length
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.reward_crash import CRASH_WINDOW, DEFAULT_FRACTION, reward_crash, score_floor
-from verl_lrstab.runs import RunError, find_metric, load_run, metric_series
+from verl_lrstab.runs import MissingMetricError, RunError, find_metric, load_run, metric_series
 
 # figure key -> (title, candidates, log-scale y)
 FIGURES = {
@@ -96,14 +96,21 @@ def _labels(runs: list[str], given: list[str]) -> list[str]:
 def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, args) -> tuple[dict, tuple]:
     """One run's line of the compare table, and its (surge step, decay steps) marks."""
     row = {"run": label, "last_step": int(df.index.max())}
+    # the replay reads the length the trainer reads (an agentic run: the model's own tokens); the cap bounds
+    # every response token, so the collapse to the cap is looked for on verl's length
     length_name = overrides.get("length") or find_metric(df, LENGTH_METRICS)
+    try:
+        replayed, _ = replayed_length(df, overrides.get("length"), config)
+    except MissingMetricError:
+        replayed = None
     marks, collapses = (None, []), []
-    if length_name in df.columns:
-        result, length = replay_run(df, length_name, config, args.warmup_steps, args.kl_metric, args.score_metric,
-                                     args.clip_metric)
-        row.update(surge_step=result.surge_step, decay_period=result.decay_period)
+    if replayed in df.columns:
+        result, _ = replay_run(df, replayed, config, args.warmup_steps, args.kl_metric, args.score_metric,
+                               args.clip_metric)
+        row.update(surge_step=result.surge_step, decay_period=result.decay_period, length_metric=replayed)
         marks = (result.surge_step, decay_steps(result))
-        step = _cap_collapse(length, args.max_response_length, args.cap_fraction)
+    if length_name in df.columns:
+        step = _cap_collapse(metric_series(df, length_name), args.max_response_length, args.cap_fraction)
         if step is not None:
             collapses.append((step, f"length >= {args.cap_fraction:g} x cap"))
     logged = find_metric(df, ("actor/lrstab/surge_step", "lrstab/surge_step"))
@@ -179,7 +186,7 @@ def cmd_compare(args) -> int:
         print(f"figure: {path}", file=sys.stderr)
 
     columns = ["run", "last_step", "peak_val", "peak_val_step", "final_val", "collapse_step", "collapse_rule",
-               "surge_step", "decay_period", "logged_surge_step", "crash_step", "lead", "val_metric"]
+               "surge_step", "decay_period", "logged_surge_step", "crash_step", "lead", "val_metric", "length_metric"]
     table = pd.DataFrame(list(rows)).reindex(columns=columns)
     table.to_csv(out / "summary.csv", index=False)
     md = _markdown(table)

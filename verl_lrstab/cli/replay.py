@@ -17,13 +17,13 @@ from verl_lrstab.cli.common import (
     add_scheduler_options,
     decay_steps,
     fmt,
-    length_metric,
+    LENGTH_METRICS,
     plots_module,
     scheduler_config,
 )
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.runs import (MissingMetricError, RunError, cosignal_columns, find_metric, load_run, metric_series,
-                              replay_with_cosignals)
+from verl_lrstab.runs import (MissingMetricError, RunError, cosignal_columns, find_metric, length_column, load_run,
+                              metric_series, replay_with_cosignals)
 from verl_lrstab.schedule import ReplayResult
 
 if TYPE_CHECKING:
@@ -81,10 +81,18 @@ def replay_run(df, metric: str, config: LengthSurgeConfig, warmup_steps: int = 0
     return result, values
 
 
-def print_head(run, metric: str, values, result: ReplayResult, config: LengthSurgeConfig) -> None:
-    """The run, its metric, the co-signals fed and the surge line (replay and calibrate)."""
+def replayed_length(df, metric: str | None, config: LengthSurgeConfig) -> tuple[str, str]:
+    """``(column, what it counts)`` of the length a replay reads (:func:`verl_lrstab.runs.length_column`)."""
+    return length_column(df, metric, config.length_tokens, LENGTH_METRICS)
+
+
+def print_head(run, metric: str, values, result: ReplayResult, config: LengthSurgeConfig,
+               length_read: str | None = None) -> None:
+    """The run, its metric (and what it counts), the co-signals fed and the surge line (replay and calibrate)."""
     print(f"run:    {run}")
     print(f"metric: {metric} ({len(values)} values, steps {result.steps[0]}..{result.steps[-1]})")
+    if length_read:
+        print(f"length: {length_read} [length_tokens: {config.length_tokens}]")
     if config.detector == "cusum" or result.cosignals:
         print("co-signals: " + (", ".join(result.cosignals.values()) or "none (length only)"))
     line = _surge_line(result)
@@ -110,7 +118,7 @@ def _surge_line(result: ReplayResult) -> str:
 def cmd_replay(args) -> int:
     config = scheduler_config(args)
     df = load_run(args.run)
-    metric = length_metric(df, args.metric)
+    metric, length_read = replayed_length(df, args.metric, config)
     result, values = replay_run(df, metric, config, args.warmup_steps, args.kl_metric, args.score_metric,
                                 args.clip_metric)
     if args.plot:
@@ -121,7 +129,7 @@ def cmd_replay(args) -> int:
                "steps": result.steps, "lr_scale": result.lr_scale}
         print(json.dumps(out, allow_nan=False))
         return 0
-    print_head(args.run, metric, values, result, config)
+    print_head(args.run, metric, values, result, config, length_read)
     if result.decay_period is not None:
         how = "fixed (--decay-period)" if config.decay_period is not None else \
             f"round({config.period_factor} x {result.trigger_step})"
