@@ -109,7 +109,9 @@ def check_model_tokens_are_the_rollouts(metrics: dict, records: dict) -> None:
         # and verl's own response_length/mean counts the tool's tokens too
         verl = metrics[step]["response_length/mean"]
         assert verl == pytest.approx(mean(r["response_tokens"] for r in records[step]), rel=1e-6), step
-        assert all(r["num_turns"] == 4 for r in records[step])  # user, model, tool, model: every trajectory
+        # user, model, tool, model; or verl's loop ended at the cap before the tool's answer (user, model)
+        assert all(r["num_turns"] in (2, 4) for r in records[step])
+        assert all(r["tool_words"] is not None for r in records[step] if r["num_turns"] == 4)
 
 
 def check_reads_model_tokens(result) -> None:
@@ -131,6 +133,7 @@ def test_growing_tool_answers_are_no_surge(run, trainer):
     assert steps == list(range(1, GROWTH["steps"] + 1))
     check_model_tokens_are_the_rollouts(metrics, records)
     check_reads_model_tokens(result)
+    assert all(r["num_turns"] == 4 for s in steps for r in records[s])  # the tool answered every trajectory
     words = {s: {r["tool_words"] for r in records[s]} for s in steps}
     assert words[1] == {TOOL_WORDS} and words[steps[-1]] == {round(GROWTH["growth"] * TOOL_WORDS)}, words
 
@@ -163,7 +166,9 @@ def test_a_surge_of_the_models_own_tokens_decays_the_lr(run, trainer):
     assert steps == list(range(1, SURGE["steps"] + 1))
     check_model_tokens_are_the_rollouts(metrics, records)
     check_reads_model_tokens(result)
-    assert {r["tool_words"] for rs in records.values() for r in rs} == {TOOL_WORDS}  # the tool: flat
+    # the tool's answers: the same words whenever it answered (later the model's turns fill the cap and
+    # verl's loop ends some trajectories before the tool answers)
+    assert {r["tool_words"] for rs in records.values() for r in rs} - {None} == {TOOL_WORDS}
 
     model = series(metrics, "actor/lrstab/model_tokens")
     assert mean(model[s] for s in steps[-3:]) >= 1.5 * mean(model[s] for s in steps[:3]), model
@@ -172,6 +177,10 @@ def test_a_surge_of_the_models_own_tokens_decays_the_lr(run, trainer):
     assert fired, f"the detector never fired: {model}"
     first = fired[0]
     assert all(surge[t] == first for t in steps if t >= first)
+    # up to the surge the tool answered every trajectory: the tool's tokens per response did not move
+    verl = series(metrics, "response_length/mean")
+    assert all(r["num_turns"] == 4 for s in steps if s <= first for r in records[s])
+    assert len({verl[s] - model[s] for s in steps if s <= first}) == 1, (verl, model)
     period = max(1, math.floor(PERIOD_FACTOR * first + 0.5))
     lr = series(metrics, "actor/lr")
     for t in steps:  # verl logs the LR of the next update; origin surge halves right after the surge
