@@ -35,6 +35,16 @@ logger = logging.getLogger("verl_lrstab")
 STEP_POSITION_KEY = "lrstab_step_position"  # [index of the update in the step, updates per step, async, response cap]
 PRE_RS_STATS_KEY = "lrstab_pre_rs_mismatch_stats"  # mismatch stats over the tokens before rejection sampling
 
+#: The step's mean number of the model's own tokens per response (``response_mask``), as logged (``actor/`` added
+#: by verl's driver), beside verl's ``response_length/mean`` (every response token, tool output included).
+MODEL_TOKENS_KEY = "lrstab/model_tokens"
+#: What the detector reads, as the line that names it says (:func:`announce_length`).
+LENGTH_READ = {
+    True: "the mean number of the model's own tokens per response (response_mask; logged as "
+          "actor/lrstab/model_tokens; verl's response_length/mean also counts tool output)",
+    False: "the mean response length as verl's response_length/mean counts it (every response token)",
+}
+
 #: A length that cannot be measured (no key it comes from) on this many consecutive trainer
 #: steps fails the run: the detector would never see a step and the LR would stay constant.
 MAX_UNMEASURED_STEPS = 3
@@ -212,28 +222,23 @@ class StepState:
             scheduler.observe_update(dataclasses.replace(self.fed, mismatch_kl=kl))
 
 
-#: The step's mean number of the model's own tokens per response (``response_mask``), as logged (``actor/`` added
-#: by verl's driver), beside verl's ``response_length/mean`` (every response token, tool output included).
-MODEL_TOKENS_KEY = "lrstab/model_tokens"
-#: What the detector reads, as the line that names it says (:func:`announce_length`).
-LENGTH_READ = {
-    True: "the mean number of the model's own tokens per response (response_mask; logged as "
-          "actor/lrstab/model_tokens; verl's response_length/mean also counts tool output)",
-    False: "the mean response length as verl's response_length/mean counts it (every response token)",
-}
 _announced: "weakref.WeakKeyDictionary[FedSchedule, bool]" = weakref.WeakKeyDictionary()
 
 
 def announce_length(scheduler: FedSchedule, reads_model: bool, length_tokens: str) -> None:
-    """Say (rank 0, once, and again whenever it changes) which length the surge detector reads."""
-    if _announced.get(scheduler) is reads_model:
+    """Say (rank 0) which length the surge detector reads: at the first step, and under ``auto`` again when the
+    responses first hold tokens the model did not sample (a later step without any reads the same number)."""
+    said = _announced.get(scheduler)
+    if said is reads_model or said is True:
         return
     _announced[scheduler] = reads_model
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    why = {"model": "", "all": ""}.get(length_tokens, " (the responses hold tokens the model did not sample)"
-                                       if reads_model else " (every response token is the model's)")
+    why = ""
+    if length_tokens == "auto":
+        why = " (the responses hold tokens the model did not sample)" if reads_model else \
+            " (so far every response token is the model's)"
     print(f"verl_lrstab: the surge detector reads {LENGTH_READ[reads_model]} [length_tokens: {length_tokens}]{why}",
           flush=True)
 
