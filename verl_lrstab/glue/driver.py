@@ -114,7 +114,7 @@ def checked_async(trainer) -> bool:
                     "checks (the mismatch trigger's needs, whether its rollout is async) are made, so the "
                     "scheduler could be fed figures it must not use. Supported: verl's main_ppo trainers (V0 "
                     "RayPPOTrainer, V1 sync / colocate_async / separate_async) and subclasses that call "
-                    "super().__init__; see docs/integration.md#trainers")
+                    "super().__init__.")
 
 
 def warn_about_rollout_config(config) -> None:
