@@ -127,6 +127,11 @@ class LengthSurgeConfig:
         monitor_only (bool): run the detector(s) and log every ``lrstab/*`` and ``mismatch/*``
             figure, but never decay: the LR is verl's constant schedule (warmup included).
             For the constant-LR baseline arms of a comparison. Default False.
+        dismiss_trigger_step (int | None): the update at which a decay judged a false alarm
+            started (``actor/lrstab/trigger_step``, the update the WARNING names). A run resumed
+            from a checkpoint whose decay started at that update resumes at the initial LR with
+            the surge detector re-armed from the checkpoint's step; a checkpoint without that
+            decay, and a later decay, are not affected, so the option may stay set. Default None.
     """
 
     # The keys the user set (from_dict); None: built in code, every value chosen. Not an option.
@@ -167,6 +172,7 @@ class LengthSurgeConfig:
     mismatch_calibration_steps: int = 10
     mismatch_metric: str = "k3"
     monitor_only: bool = False
+    dismiss_trigger_step: Optional[int] = None
 
     def __post_init__(self):
         _check(_positive(self.period_factor) and self.period_factor <= MAX_PERIOD_FACTOR, "period_factor",
@@ -230,6 +236,12 @@ class LengthSurgeConfig:
         _check(self.mismatch_metric in MISMATCH_METRICS, "mismatch_metric", self.mismatch_metric,
                f"one of {list(MISMATCH_METRICS)}")
         _check(isinstance(self.monitor_only, bool), "monitor_only", self.monitor_only, "true or false")
+        if self.dismiss_trigger_step is not None:
+            _check(_int(self.dismiss_trigger_step) and 1 <= self.dismiss_trigger_step <= MAX_DECAY_PERIOD,
+                   "dismiss_trigger_step", self.dismiss_trigger_step,
+                   f"null or an integer in [1, {MAX_DECAY_PERIOD}] (the update at which the dismissed decay started)")
+            _check(self.decay_from_step is None, "dismiss_trigger_step", self.dismiss_trigger_step,
+                   "null with decay_from_step set (the guard's rollback decay is not a detection to dismiss)")
 
     @classmethod
     def from_dict(cls, options: Optional[Mapping[str, Any]]) -> "LengthSurgeConfig":
