@@ -62,7 +62,28 @@ def test_the_readme_holds_no_measurement_history():
 
 def test_the_readme_keeps_the_two_set_up_commands():
     text = README.read_text(encoding="utf-8")
-    assert "`make demo`" in text and "`make test`" in text and "](docs/layout.md)" in text
+    assert "`make demo`" in text and "`make test`" in text and "`docs/layout.md`" in text
+
+
+_MD_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)")
+_REPO_FILE = re.compile(r"`((?:docs|configs|tests|scripts|verl_lrstab)/[\w./-]*\.(?:md|yaml|py|png))`")
+
+
+def test_the_readme_reads_the_same_on_a_package_index():
+    """A package index renders the README without the repository: every link and image is absolute, and
+    the files it names by path exist in the repository."""
+    text = README.read_text(encoding="utf-8")
+    relative = [target for target in _MD_LINK.findall(text) if not target.startswith(("https://", "http://"))]
+    assert not relative, f"relative links in the README (they break on a package index): {relative}"
+    named = set(_REPO_FILE.findall(text))
+    assert len(named) >= 10, sorted(named)
+    absent = sorted(p for p in named if not (ROOT / p).exists())
+    assert not absent, f"the README names files that do not exist: {absent}"
+
+
+def test_the_package_index_check_catches_a_relative_link():
+    assert _MD_LINK.findall("see [guard](docs/guard.md) and ![x](docs/demo.png), [verl](https://x.y)") == [
+        "docs/guard.md", "docs/demo.png", "https://x.y"]
 
 
 _PATH = re.compile(r"`((?:verl_lrstab|cpu_backend|scripts|tests|configs|patches|docs)/[\w./-]*)`")
