@@ -163,6 +163,13 @@ def test_python_m_build_gives_an_sdist_and_a_wheel_that_twine_check_passes(tmp_p
     import verl_lrstab
 
     assert built == [f"verl_lrstab-{verl_lrstab.__version__}-py3-none-any.whl", f"verl_lrstab-{verl_lrstab.__version__}.tar.gz"]
+    import tarfile
+
+    with tarfile.open(tmp_path / built[1]) as sdist:
+        names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    # the README names the manual and the configs by path: the source distribution carries them
+    assert {"LICENSE", "CHANGELOG.md", "docs/integration.md", "configs/experiments/starter_gsm8k_length_surge.yaml"} \
+        <= names
     twine = shutil.which("twine", path=str(Path(sys.executable).parent))
     check = subprocess.run([twine, "check", "--strict", *map(str, tmp_path.iterdir())], capture_output=True, text=True,
                            timeout=300)
