@@ -111,3 +111,15 @@ def test_the_wheel_holds_the_product_only():
     assert "where" not in found or found["where"] == ["."]
     assert "`verl_lrstab`" in LAYOUT.read_text(encoding="utf-8") and "wheel holds the product only" in LAYOUT.read_text(
         encoding="utf-8")
+
+
+_CITED = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.(?:md|py|sh|yaml|toml))\b")
+
+
+def test_the_makefile_cites_only_files_that_exist():
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    cited = set(_CITED.findall(text))
+    assert {"docs/megatron.md", "scripts/vllm_cpu_shim.py", "pyproject.toml"} <= cited, sorted(cited)
+    absent = sorted(c for c in cited if not any((ROOT / where / c).exists() for where in ("", "docs")))
+    assert not absent, f"the Makefile cites files that do not exist: {absent}"
+    assert _CITED.findall("(CPU_PATH.md); see docs/x.md") == ["CPU_PATH.md", "docs/x.md"]

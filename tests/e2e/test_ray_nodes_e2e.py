@@ -1,9 +1,10 @@
 """verl's real ``main_ppo`` on a Ray cluster of two nodes started on this machine (``ray start --head``, then
 ``ray start --address=...``), the actor's workers placed on the second node.
 
-The head (127.0.0.1) holds CPUs only; the second node (127.0.0.2) holds the one (fake) GPU slot the
-actor's worker asks for, so verl's placement group puts it there, and verl's driver joins the
-cluster (``ray_kwargs.ray_init.address``). Each node's processes inherit the environment of its
+The head (at this machine's address, where verl's driver joins it with
+``ray_kwargs.ray_init.address``, so the driver's TaskRunner runs there) holds CPUs only; the second
+node (127.0.0.2) holds the one (fake) GPU slot the actor's worker asks for, so verl's placement group
+puts it there. Each node's processes inherit the environment of its
 ``ray start``, as on a real cluster.
 
 - A second node where verl-lrstab cannot be imported (a ``sitecustomize`` in its environment makes
@@ -33,7 +34,7 @@ from verl_lrstab_cpu.launch import cpu_env, run_main_ppo
 
 pytestmark = pytest.mark.e2e
 
-HEAD_IP, SECOND_IP = "127.0.0.1", "127.0.0.2"
+SECOND_IP = "127.0.0.2"
 RAY = str(Path(sys.executable).parent / "ray")
 STEPS = 3
 RUN = ["trainer.use_v1=false", f"trainer.total_training_steps={STEPS}"]
@@ -74,7 +75,7 @@ WHERE_FED = textwrap.dedent('''
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind((HEAD_IP, 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
@@ -85,21 +86,22 @@ class TwoNodes:
         self.root, self.port, self.groups = root, free_port(), []
         self.temp = tempfile.mkdtemp(prefix="lrstab-ray-", dir="/tmp")  # Ray's socket paths must stay short
         common = {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "disabled"}
-        self.address = f"{HEAD_IP}:{self.port}"
+        self.address = f"127.0.0.1:{self.port}"
         try:
             self._start("head", common, ["--head", f"--port={self.port}", "--num-cpus=8", "--num-gpus=0",
-                                         "--include-dashboard=false", f"--temp-dir={self.temp}"], HEAD_IP)
+                                         "--include-dashboard=false", f"--temp-dir={self.temp}"])
             self._start("second", {**common, **second_env}, [f"--address={self.address}", "--num-cpus=4",
                                                              "--num-gpus=1"], SECOND_IP)
         except BaseException:
             self.stop()
             raise
 
-    def _start(self, name, env, args, ip, timeout: float = 180) -> None:
+    def _start(self, name, env, args, ip=None, timeout: float = 180) -> None:
         """``ray start --block`` in its own process group; returns once it reports the node started."""
         path = self.root / f"ray-{name}.log"
+        where = [f"--node-ip-address={ip}"] if ip else []
         with open(path, "w") as log:
-            proc = subprocess.Popen([RAY, "start", "--block", f"--node-ip-address={ip}", *args], env=env, stdout=log,
+            proc = subprocess.Popen([RAY, "start", "--block", *where, *args], env=env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.groups.append(proc)
         deadline = time.monotonic() + timeout
@@ -109,8 +111,8 @@ class TwoNodes:
             time.sleep(1)
 
     def overrides(self) -> list:
-        return [f"+ray_kwargs.ray_init.address={self.address}", f"+ray_kwargs.ray_init._node_ip_address={HEAD_IP}",
-                "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null"]
+        return [f"+ray_kwargs.ray_init.address={self.address}", "ray_kwargs.ray_init.num_cpus=null",
+                "ray_kwargs.ray_init.num_gpus=null"]
 
     def stop(self) -> None:
         for proc in reversed(self.groups):
@@ -172,7 +174,8 @@ def test_the_scheduler_is_fed_on_the_second_node_and_the_figures_equal_a_one_nod
     result.check()
     steps = [json.loads(line) for f in where.glob("*.jsonl") for line in f.read_text().splitlines()]
     assert steps and {s["node"] for s in steps} == {"second"}, steps
-    assert sorted(s["update"] for s in steps) == list(range(1, STEPS + 1))
+    # every update's step (the constructor's own step, update 0, too) ran there
+    assert sorted(s["update"] for s in steps) == list(range(0, STEPS + 1))
 
     one_node = main_ppo("one-node-v0", RUN)
     assert sorted(result.metrics) == sorted(one_node.metrics) == list(range(1, STEPS + 1))
