@@ -75,14 +75,16 @@ def test_the_plugin_says_at_load_that_this_verl_is_untested_and_the_checks_decid
 
 def test_lrstab_check_verl_serves_a_verl_whose_targets_match(installed):
     env, _, _ = installed
-    for command in ([env.bin / "lrstab", "check-verl"], [env.python, "-m", "verl_lrstab", "check-verl"]):
-        proc = env.run(*command, check=False)
-        lines = proc.stdout.splitlines()
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert lines[0].startswith(f"note verl {FAKE_VERL_VERSION} is not a tested release"), lines[0]
-        assert not [line for line in lines if line.startswith("FAIL")]
-        assert any("TrainingWorker.train_mini_batch" in line and line.startswith("ok") for line in lines)
-        assert lines[-1] == "verl-lrstab serves this verl: every check passed"
+    proc = env.run(env.bin / "lrstab", "check-verl", check=False)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert lines[0].startswith(f"note verl {FAKE_VERL_VERSION} is not a tested release"), lines[0]
+    assert not [line for line in lines if line.startswith("FAIL")]
+    assert any("TrainingWorker.train_mini_batch" in line and line.startswith("ok") for line in lines)
+    assert lines[-1] == "verl-lrstab serves this verl: every check passed"
+    # the installed console script and `python -m verl_lrstab` are one command
+    helps = [env.run(*command, "--help").stdout for command in ([env.bin / "lrstab"], [env.python, "-m", "verl_lrstab"])]
+    assert helps[0] == helps[1] and "check-verl" in helps[0]
 
 
 # A path of the repository that the wheel does not ship, as a message could name it.
