@@ -123,3 +123,25 @@ def test_the_makefile_cites_only_files_that_exist():
     absent = sorted(c for c in cited if not any((ROOT / where / c).exists() for where in ("", "docs")))
     assert not absent, f"the Makefile cites files that do not exist: {absent}"
     assert _CITED.findall("(CPU_PATH.md); see docs/x.md") == ["CPU_PATH.md", "docs/x.md"]
+
+
+#: Pages whose own rewrite removes their history (the detector's and the guard's pages, the options table);
+#: the check covers every other page of the manual.
+REWRITTEN_BESIDE = {"detector.md", "detector_benchmark.md", "configuration.md", "guard.md"}
+#: Words about how the project is made, not about what it does.
+DEVELOPMENT = re.compile(r"\b(?:working session|this session|no machine was lent|the task (?:set|was silent)|"
+                         r"command not recorded|measured by the issue)\b", re.I)
+
+
+def test_the_manual_holds_no_development_history():
+    found = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name in REWRITTEN_BESIDE:
+            continue
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            hits = [(kind, m.group(0)) for kind, pattern in HISTORY.items() if kind != "a pilot label"
+                    for m in pattern.finditer(line)]
+            hits += [("development", m.group(0)) for m in DEVELOPMENT.finditer(line)]
+            found += [f"docs/{page.name}:{n}: {kind}: {text!r}" for kind, text in hits]
+    assert not found, "history in the manual:\n" + "\n".join(found)
+    assert DEVELOPMENT.search("GPU run pending: no machine was lent in this session")
