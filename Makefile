@@ -6,9 +6,11 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 STAMP   := $(VENV)/.verl-lrstab-installed
 TORCH   ?= torch==2.13.0
-# verl 0.9.1's main_ppo imports these at run time without declaring them (CPU_PATH.md);
+# verl 0.9.1's main_ppo imports these at run time without declaring them (README.md, "Install");
 # the verl[...] extras would replace the CPU torch, so they are not used.
 VERL    ?= verl==0.9.1 cachetools fastapi uvicorn TransferQueue==0.1.11
+# What the tests and the demos use beside the product (not in the package's metadata).
+TEST_DEPS ?= pytest>=7 pytest-timeout pytest-xdist matplotlib tensorboard psutil build twine
 # verl's Megatron engine (docs/megatron.md): megatron-core 0.16.1 is the newest for Python 3.11
 # (it changes no torch/transformers/numpy pin); the 0.19 line needs Python 3.12 (test-megatron312).
 # mbridge (+ einops, undeclared): verl's vanilla bridge, for the worker test (megatron-bridge 0.5.2,
@@ -43,7 +45,7 @@ $(STAMP): pyproject.toml cpu_backend/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet $(VERL)
-	$(PIP) install --quiet -e '.[test,plot]'
+	$(PIP) install --quiet -e '.[plot]' $(TEST_DEPS)
 	$(PIP) install --quiet --no-deps -e cpu_backend
 	$(PY) -c "import torch, verl, verl_lrstab, verl_lrstab_cpu.assets; print('torch', torch.__version__, '| verl', verl.__version__, '| verl-lrstab', verl_lrstab.__version__)"
 	touch $(STAMP)
@@ -139,7 +141,7 @@ bench: install
 
 ## CPU-scale reproduction of a mismatch collapse (scripts/research/repro/README.md): verl's vLLM rollout (bf16),
 ## bypass mode, 6 arms x 3 seeds; repro-ci is its small form (tests/research/test_repro_ci.py: make test-e2e
-## runs it as is and on one arm). Issue 6's table (injected weight noise): scripts/research/repro/all.py --recipe noise.
+## runs it as is and on one arm). The injected-weight-noise table: scripts/research/repro/all.py --recipe noise.
 repro: install install-vllm
 	$(PY) scripts/research/repro/all.py
 

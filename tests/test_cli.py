@@ -116,7 +116,7 @@ def test_scheduler_options_come_from_the_config_fields(verl_run, capsys):
     for f in fields(LengthSurgeConfig):
         # the options lrstab guard sets on each relaunch are accepted but not offered to a user
         listed = f"--{f.name.replace('_', '-')}" in help_text
-        assert listed != (f.name in ("decay_from_step", "guard_rollbacks")), f.name
+        assert listed != (f.name in ("decay_from_step", "guard_rollbacks", "dismiss_trigger_step")), f.name
     assert "verl's own ``actor/grad_norm``" not in help_text and "actor/grad_norm" in help_text  # --detector's help
 
     code, out, _ = run_cli("replay", verl_run[0], "--json", "--origin", "surge", capsys=capsys)
@@ -282,6 +282,7 @@ BAD_VALUES = {
     "cusum_spike_rise": "1", "mismatch_budget": "-1",
     "mismatch_budget_factor": "0", "mismatch_calibration_steps": "0", "mismatch_metric": "k1",
     "monitor_only": "maybe", "decay_from_step": "-1", "guard_rollbacks": "-1", "length_tokens": "tools",
+    "dismiss_trigger_step": "0",
 }
 
 

@@ -179,3 +179,49 @@ def test_prepared_rows_are_scored_by_verls_reward():
     assert len(dedupe_prompts(df)) == 2
     score = default_compute_score("math_dapo", "work...\nAnswer: 34", "34")
     assert (score["score"] if isinstance(score, dict) else score) == 1.0
+
+
+# -- every shipped config loads through verl's config classes with the default detector -----------------
+REPO_CONFIGS = CONFIG_DIR.parent
+#: Options a user does not tune in a YAML: the ratio detector's own (``detector: ratio`` adds them with '+'),
+#: the guard's (it sets them on each relaunch), and ``origin``, left unset so a resumed run keeps its rule.
+NOT_EXPOSED = {"fast_window", "horizon", "baseline_window", "ratio_threshold", "decay_from_step", "guard_rollbacks",
+               "origin"}
+
+
+def test_the_length_surge_snippet_exposes_the_options_a_user_tunes_for_the_default_detector():
+    from dataclasses import fields
+
+    from verl_lrstab.config import LengthSurgeConfig
+
+    shown = OmegaConf.load(CONFIG_DIR / "_length_surge.yaml").actor_rollout_ref.actor.optim.length_surge
+    assert set(shown) == {f.name for f in fields(LengthSurgeConfig)} - NOT_EXPOSED
+    assert shown.detector == LengthSurgeConfig().detector == "cusum"
+
+
+def _compose_in(config_dir: Path, name: str, overrides=()):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("cpu_demo", []), ("cpu_demo", ["+cpu_rollout=vllm"]),
+    *[(f"experiments/{arm}", []) for arm in ARMS],
+])
+def test_every_shipped_config_builds_verls_actor_config_with_the_default_detector(name, overrides):
+    """verl's own ``omega_conf_to_dataclass`` builds the actor config (optimizer included) of every
+    config under configs/; one that names length_surge gets the default detector, every option valid."""
+    from verl_lrstab.config import LengthSurgeConfig
+
+    directory, config = (REPO_CONFIGS / name).parent, (REPO_CONFIGS / name).name
+    cfg = _compose_in(directory, config, overrides)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    if _uses_length_surge(cfg) or cfg.actor_rollout_ref.actor.optim.get("lr_decay_style") == "length_surge":
+        assert isinstance(actor.optim.length_surge, LengthSurgeConfig)
+        assert actor.optim.length_surge.detector == "cusum"
+
+
+def test_every_config_file_is_covered():
+    primary = {str(p.relative_to(REPO_CONFIGS).with_suffix("")) for p in REPO_CONFIGS.rglob("*.yaml")
+               if not p.name.startswith("_") and p.parent.name not in ("cpu_rollout", "paper_model", "megatron_model")}
+    assert primary == {"cpu_demo", *(f"experiments/{arm}" for arm in ARMS)}

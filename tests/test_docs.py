@@ -330,8 +330,8 @@ def test_every_stated_test_count_is_the_files(path):
 #   ("regex", file, pattern): the pattern's one group in the file (a YAML value, say).
 E2E = "tests/e2e/"
 STEP_CLAIMS = [
-    ("docs/testing.md", r"gave those tests room \((\d+) steps, resume at \d+", ("const", E2E + "test_main_ppo_cpu.py", "N_STEPS")),
-    ("docs/testing.md", r"gave those tests room \(\d+ steps, resume at (\d+)", ("const", E2E + "test_main_ppo_cpu.py", "RESUME_AT")),
+    ("docs/testing.md", r"surge tests give it room \((\d+) steps, resume at \d+", ("const", E2E + "test_main_ppo_cpu.py", "N_STEPS")),
+    ("docs/testing.md", r"surge tests give it room \(\d+ steps, resume at (\d+)", ("const", E2E + "test_main_ppo_cpu.py", "RESUME_AT")),
     ("docs/testing.md", r"the\s+run has (\d+) steps and a detection", ("const", E2E + "test_main_ppo_cpu.py", "N_STEPS")),
     ("docs/testing.md", r"a run checkpointed at step (\d+), after the surge", ("const", E2E + "test_main_ppo_cpu.py", "RESUME_AT")),
     ("docs/testing.md", r"compare\s+(\d+)\s+V1\s+steps", ("const", E2E + "test_main_ppo_cpu.py", "N_STEPS")),

@@ -62,7 +62,28 @@ def test_the_readme_holds_no_measurement_history():
 
 def test_the_readme_keeps_the_two_set_up_commands():
     text = README.read_text(encoding="utf-8")
-    assert "`make demo`" in text and "`make test`" in text and "](docs/layout.md)" in text
+    assert "`make demo`" in text and "`make test`" in text and "`docs/layout.md`" in text
+
+
+_MD_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)")
+_REPO_FILE = re.compile(r"`((?:docs|configs|tests|scripts|verl_lrstab)/[\w./-]*\.(?:md|yaml|py|png))`")
+
+
+def test_the_readme_reads_the_same_on_a_package_index():
+    """A package index renders the README without the repository: every link and image is absolute, and
+    the files it names by path exist in the repository."""
+    text = README.read_text(encoding="utf-8")
+    relative = [target for target in _MD_LINK.findall(text) if not target.startswith(("https://", "http://"))]
+    assert not relative, f"relative links in the README (they break on a package index): {relative}"
+    named = set(_REPO_FILE.findall(text))
+    assert len(named) >= 10, sorted(named)
+    absent = sorted(p for p in named if not (ROOT / p).exists())
+    assert not absent, f"the README names files that do not exist: {absent}"
+
+
+def test_the_package_index_check_catches_a_relative_link():
+    assert _MD_LINK.findall("see [guard](docs/guard.md) and ![x](docs/demo.png), [verl](https://x.y)") == [
+        "docs/guard.md", "docs/demo.png", "https://x.y"]
 
 
 _PATH = re.compile(r"`((?:verl_lrstab|cpu_backend|scripts|tests|configs|patches|docs)/[\w./-]*)`")
@@ -90,3 +111,37 @@ def test_the_wheel_holds_the_product_only():
     assert "where" not in found or found["where"] == ["."]
     assert "`verl_lrstab`" in LAYOUT.read_text(encoding="utf-8") and "wheel holds the product only" in LAYOUT.read_text(
         encoding="utf-8")
+
+
+_CITED = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.(?:md|py|sh|yaml|toml))\b")
+
+
+def test_the_makefile_cites_only_files_that_exist():
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    cited = set(_CITED.findall(text))
+    assert {"docs/megatron.md", "scripts/vllm_cpu_shim.py", "pyproject.toml"} <= cited, sorted(cited)
+    absent = sorted(c for c in cited if not any((ROOT / where / c).exists() for where in ("", "docs")))
+    assert not absent, f"the Makefile cites files that do not exist: {absent}"
+    assert _CITED.findall("(CPU_PATH.md); see docs/x.md") == ["CPU_PATH.md", "docs/x.md"]
+
+
+#: Pages whose own rewrite removes their history (the detector's and the guard's pages, the options table);
+#: the check covers every other page of the manual.
+REWRITTEN_BESIDE = {"detector.md", "detector_benchmark.md", "configuration.md", "guard.md"}
+#: Words about how the project is made, not about what it does.
+DEVELOPMENT = re.compile(r"\b(?:working session|this session|no machine was lent|the task (?:set|was silent)|"
+                         r"command not recorded|measured by the issue)\b", re.I)
+
+
+def test_the_manual_holds_no_development_history():
+    found = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name in REWRITTEN_BESIDE:
+            continue
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            hits = [(kind, m.group(0)) for kind, pattern in HISTORY.items() if kind != "a pilot label"
+                    for m in pattern.finditer(line)]
+            hits += [("development", m.group(0)) for m in DEVELOPMENT.finditer(line)]
+            found += [f"docs/{page.name}:{n}: {kind}: {text!r}" for kind, text in hits]
+    assert not found, "history in the manual:\n" + "\n".join(found)
+    assert DEVELOPMENT.search("GPU run pending: no machine was lent in this session")

@@ -1,6 +1,8 @@
 """The ``verl.plugins`` entry point: verl imports this in every process on ``import verl``.
 
-Nothing here may break a verl run, and verl logs a failing plugin at DEBUG only. So every
+Nothing here may break a verl run, and verl logs a failing plugin at DEBUG only. A verl outside
+the tested release series gets one WARNING here (:func:`verl_lrstab.glue.failsafe.announce_verl`);
+the checks of each wrapped function then decide whether the plugin serves it. Every
 module the glue needs is imported here one by one; one that fails is reported by name
 (:func:`verl_lrstab.glue.failsafe.report_failure`: one ERROR naming verl's version and the
 cause, verl's own code left in place, ``length_surge`` refused in this process), and the
@@ -17,7 +19,9 @@ PACKAGE_MODULES = ("verl_lrstab._numbers", "verl_lrstab.config", "verl_lrstab.co
 
 
 def load() -> None:
-    from verl_lrstab.glue.failsafe import arm_guard, report_failure  # stdlib only: works whatever else is broken
+    from verl_lrstab.glue.failsafe import announce_verl, arm_guard, report_failure  # stdlib only: works whatever else is broken
+
+    announce_verl()
 
     causes: set = set()  # modules importing a broken one fail with its error: report the first only
 

@@ -133,6 +133,11 @@ class LengthSurgeConfig:
             rollout; else every response token, verl's ``response_length/mean``, the same
             number there), ``"model"`` (the model's own tokens always) or ``"all"`` (every
             response token always, tool output included). docs/agentic.md.
+        dismiss_trigger_step (int | None): the update at which a decay judged a false alarm
+            started (``actor/lrstab/trigger_step``, the update the WARNING names). A run resumed
+            from a checkpoint whose decay started at that update resumes at the initial LR with
+            the surge detector re-armed from the checkpoint's step; a checkpoint without that
+            decay, and a later decay, are not affected, so the option may stay set. Default None.
     """
 
     # The keys the user set (from_dict); None: built in code, every value chosen. Not an option.
@@ -174,6 +179,7 @@ class LengthSurgeConfig:
     mismatch_metric: str = "k3"
     monitor_only: bool = False
     length_tokens: str = "auto"
+    dismiss_trigger_step: Optional[int] = None
 
     def __post_init__(self):
         _check(_positive(self.period_factor) and self.period_factor <= MAX_PERIOD_FACTOR, "period_factor",
@@ -239,6 +245,12 @@ class LengthSurgeConfig:
         _check(isinstance(self.monitor_only, bool), "monitor_only", self.monitor_only, "true or false")
         _check(self.length_tokens in ("auto", "model", "all"), "length_tokens", self.length_tokens,
                "one of ['auto', 'model', 'all']")
+        if self.dismiss_trigger_step is not None:
+            _check(_int(self.dismiss_trigger_step) and 1 <= self.dismiss_trigger_step <= MAX_DECAY_PERIOD,
+                   "dismiss_trigger_step", self.dismiss_trigger_step,
+                   f"null or an integer in [1, {MAX_DECAY_PERIOD}] (the update at which the dismissed decay started)")
+            _check(self.decay_from_step is None, "dismiss_trigger_step", self.dismiss_trigger_step,
+                   "null with decay_from_step set (the guard's rollback decay is not a detection to dismiss)")
 
     @classmethod
     def from_dict(cls, options: Optional[Mapping[str, Any]]) -> "LengthSurgeConfig":

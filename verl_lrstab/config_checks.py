@@ -98,7 +98,6 @@ def check_rollout_config(cfg) -> list[Finding]:
                 (*[f"{RC}.{k}" for k in set_keys], "actor_rollout_ref.actor.policy_loss.loss_mode"),
                 f"verl 0.9.1's V0 trainer in bypass mode hands {', '.join(f'{RC}.{k}' for k in set_keys)} to the "
                 "loss by editing the driver's copy of actor.policy_loss after the workers were built: the "
-                "workers keep loss_mode=vanilla and the correction is silently off (measured in "
-                "scripts/research/repro/README.md). Also set ++actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode "
+                "workers keep loss_mode=vanilla and the correction is silently off. Also set ++actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode "
                 f"and ++actor_rollout_ref.actor.policy_loss.rollout_correction=${{{RC}}}, or use trainer.use_v1=true."))
     return findings

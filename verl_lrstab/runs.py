@@ -30,7 +30,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pandas as pd
-from tqdm import tqdm
 
 STEP_COLUMNS = ("step", "Step", "_step", "global_step", "trainer/global_step")
 # Above this size a progress bar is shown (on a terminal only: tqdm's disable=None).
@@ -166,7 +165,9 @@ def _first_char(p: Path) -> str:
             raise RunError(f"{p}: unreadable gzip file ({err})") from None
 
 
-def _progress(p: Path, **kw) -> tqdm:
+def _progress(p: Path, **kw):
+    from tqdm import tqdm  # imported on first read, not when the package is imported
+
     big = p.stat().st_size >= LARGE_BYTES
     return tqdm(desc=f"reading {p.name}", disable=None if big else True, leave=False, **kw)
 
@@ -249,8 +250,12 @@ def _numeric_if_possible(col: pd.Series) -> pd.Series:
 
 
 def _read_tensorboard(d: Path) -> pd.DataFrame:
-    from tensorboard.backend.event_processing import event_accumulator as ea
-    from tensorboard.util import tensor_util
+    try:  # verl brings tensorboard; a machine without verl reading a copied log may not have it
+        from tensorboard.backend.event_processing import event_accumulator as ea
+        from tensorboard.util import tensor_util
+    except ImportError as err:
+        raise RunError(f"{d}: reading TensorBoard logs needs the tensorboard package ({err}): "
+                       "pip install tensorboard") from None
 
     run_dirs = sorted({f.parent for f in d.rglob("events.out.tfevents.*")})
     if not run_dirs:
@@ -265,6 +270,8 @@ def _read_tensorboard(d: Path) -> pd.DataFrame:
         raise RunError(f"{run_dirs[0]}: unreadable TensorBoard events ({type(err).__name__}: {err})") from None
     tags = acc.Tags()
     columns: dict[str, dict[int, float]] = {}
+    from tqdm import tqdm
+
     for tag in tqdm(tags.get("scalars", []), desc="reading scalars", disable=None, leave=False):
         columns[tag] = {e.step: e.value for e in acc.Scalars(tag)}
     # Newer writers (tf.summary, tensorboardX with new-style summaries) log scalars as tensors.

@@ -366,6 +366,21 @@ class FedSchedule:
                            "(key: (checkpoint, now)) %s; the configured ones apply from now on, so the decay "
                            "period and the LR may change at once", step, changed)
         self.schedule.load_state_dict(own["schedule"])
+        dismissed = self.config.dismiss_trigger_step
+        if dismissed is not None and self.schedule.trigger_step == dismissed:
+            logger.warning("verl_lrstab: the decay that started at update %s is dismissed (%s.dismiss_trigger_step): "
+                           "resuming from update %s at the initial LR, the surge detector re-armed from there",
+                           dismissed, OPTIONS_KEY, step)
+            self.rearm()
+
+    def rearm(self) -> None:
+        """Clear a fired decay: the LR returns to the initial LR (warmup as configured) from the next
+        update, and the surge detector starts afresh from the current update, as in a new run."""
+        self.schedule = LengthSurgeSchedule(self.config, warmup_steps=self.schedule.warmup_steps)
+        self._apply_lr()
+
+    def _apply_lr(self) -> None:
+        """Put the LR the schedule gives for the next update into the optimizer (the engine's own override)."""
 
     @property
     def config(self) -> LengthSurgeConfig:

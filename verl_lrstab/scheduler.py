@@ -124,6 +124,11 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         if self.config.decay_from_step is not None:
             # the guard's rollback: the decay is in force from the first update after the resume, not
             # from the next step() (verl loads the optimizer, with the checkpoint's LR, before this)
-            self._last_lr = [float(lr) for lr in self.get_lr()]
-            for group, lr in zip(self.optimizer.param_groups, self._last_lr):
-                group["lr"] = lr
+            self._apply_lr()
+
+    def _apply_lr(self) -> None:
+        if self.last_epoch < 0:  # before the first step (the constructor's own): torch sets the LR there
+            return
+        self._last_lr = [float(lr) for lr in self.get_lr()]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,42 @@ def test_resume_restores_the_checkpointed_schedule(main_ppo, trainer):
         for key, value in restored.metrics().items():
             assert second.metrics[step][f"actor/{key}"] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, key)
     assert restored.surge_step == trigger and restored.get_last_lr()[0] < LR0 / 2, "a second decay after resuming"
+
+
+DISMISSED_STEPS = 4  # the resumed segment with the decay dismissed: RESUME_AT + 1 .. RESUME_AT + 4
+
+
+def test_a_dismissed_false_alarm_resumes_at_the_initial_lr_and_rearms_the_detector(main_ppo):
+    """The documented way back from a false alarm: resume from the checkpoint after it with
+    ``length_surge.dismiss_trigger_step`` naming the update the decay started at (V0's resumed pair's
+    checkpoint, one more segment of 4 steps)."""
+    first, second = resumed_run(main_ppo, "v0")
+    trigger = int(first.metrics[RESUME_AT]["actor/lrstab/trigger_step"])
+    assert 0 < trigger <= RESUME_AT and second.metrics[RESUME_AT + 1]["actor/lr"] < LR0, "the checkpoint holds a decay"
+    run_dir = first.metrics_path.parent
+    dismissed_dir = run_dir.parent / "dismiss-v0"
+    shutil.copytree(run_dir / "checkpoints", dismissed_dir / "checkpoints")  # the checkpoint at RESUME_AT only
+    end = RESUME_AT + DISMISSED_STEPS
+    dismissed = main_ppo("dismiss-v0", SURGE + TRAINER["v0"] + [
+        f"trainer.total_training_steps={end}", "trainer.resume_mode=auto",
+        f"+actor_rollout_ref.actor.optim.length_surge.dismiss_trigger_step={trigger}"])
+    assert sorted(dismissed.metrics) == list(range(RESUME_AT + 1, end + 1)), "did not resume at the checkpoint"
+    log = dismissed.log_path.read_text(errors="replace")
+    assert f"the decay that started at update {trigger} is dismissed" in log
+    # the initial LR from the first resumed update on, no surge on record: a fresh detector
+    resumed = dismissed.metrics[RESUME_AT + 1]
+    assert resumed["actor/lr"] == pytest.approx(LR0, rel=1e-12)
+    assert resumed["actor/lrstab/trigger_step"] == -1 and resumed["actor/lrstab/surge_step"] == -1
+    assert resumed["actor/lrstab/lr_scale"] == 1.0
+    # re-armed, not switched off: every step is what a fresh detector started at RESUME_AT makes of the
+    # logged figures (the schedulers' own load: a checkpoint without length_surge state restarts it)
+    rearmed = fresh_scheduler()
+    rearmed.load_state_dict({"base_lrs": [LR0], "last_epoch": RESUME_AT, "_step_count": RESUME_AT + 1})
+    for step in range(RESUME_AT + 1, end + 1):
+        step_as_logged(rearmed, dismissed.metrics[step])
+        assert dismissed.metrics[step]["actor/lr"] == pytest.approx(rearmed.get_last_lr()[0], rel=1e-12), step
+        for key, value in rearmed.metrics().items():
+            assert dismissed.metrics[step][f"actor/{key}"] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, key)
 
 
 @pytest.mark.slow  # one more run; make test keeps the resumed pair's own checks (above)

@@ -1,10 +1,11 @@
-"""``lrstab``: replay the length-surge scheduler on logged runs; guard a verl run, screen its rollouts.
+"""``lrstab``: replay the length-surge scheduler on logged runs; guard a verl run, screen its rollouts, check verl.
 
     lrstab replay RUN [--metric response_length/mean] [scheduler options] [--plot out.png] [--json]
     lrstab calibrate RUN [scheduler options]
     lrstab compare RUN [RUN ...] [--out DIR]
     lrstab guard [options] -- python -m verl.trainer.main_ppo [verl overrides]
     lrstab admit --candidate NAME=OVERRIDES [...] -- python -m verl.trainer.main_ppo [verl overrides]
+    lrstab check-verl
 
 RUN is verl's file-logger JSONL, a TensorBoard log directory or a CSV with a step column
 (:mod:`verl_lrstab.runs`). The detector and the schedule are
@@ -20,14 +21,14 @@ import argparse
 import logging
 import sys
 
-from verl_lrstab.cli import admit, calibrate, compare, guard, replay
+from verl_lrstab.cli import admit, calibrate, check_verl, compare, guard, replay
 from verl_lrstab.cli.common import EXIT_ERROR
 from verl_lrstab.cli.compare import score_crash
 from verl_lrstab.cli.replay import cosignal_names
 from verl_lrstab.runs import RunError
 
 __all__ = ["build_parser", "cosignal_names", "main", "score_crash"]
-SUBCOMMANDS = (replay, calibrate, compare, guard, admit)
+SUBCOMMANDS = (replay, calibrate, compare, guard, admit, check_verl)
 
 
 def build_parser() -> argparse.ArgumentParser:

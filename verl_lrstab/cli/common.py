@@ -25,6 +25,8 @@ METRIC_HELP = f"the response-length metric (default: first of {list(LENGTH_METRI
 EXIT_ERROR, EXIT_NO_SURGE = 1, 3
 # Set by ``lrstab guard`` on each relaunch, not by a user: accepted (a guarded run replays), not listed in --help.
 GUARD_ONLY = ("decay_from_step", "guard_rollbacks")
+# Read only when a checkpoint is loaded: accepted (a resumed run's options replay), not listed in --help.
+RESUME_ONLY = ("dismiss_trigger_step",)
 
 
 # -- scheduler options, generated from LengthSurgeConfig ------------------------------------------
@@ -63,7 +65,7 @@ def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
         typ, text = docs.get(f.name, ("", ""))
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_option_value,
                            default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper() or "VALUE",
-                           help=argparse.SUPPRESS if f.name in GUARD_ONLY
+                           help=argparse.SUPPRESS if f.name in GUARD_ONLY + RESUME_ONLY
                            else text.replace("``", "").replace("%", "%%"))
     group.add_argument("--warmup-steps", type=_option_value, default=0, metavar="INT",
                        help="verl's optim.lr_warmup_steps. Default 0.")

@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
                                    "status: 0 finished, 2 a bad command, option or state file, or another guard "
                                    "holds the run folder, 3 gave up (too many rollbacks or no checkpoint), 4 verl "
                                    "failed, 5 the guard's own file operation failed (a full or read-only disk: "
-                                   "--resume once fixed), 128+N stopped by signal N (docs/guard.md#faults).")
+                                   "--resume once fixed), 128+N stopped by signal N.")
     p.add_argument("--run-dir", help="events, segments and the final metrics (default: next to verl's checkpoints, "
                                      "<trainer.default_local_dir>/../lrstab_guard)")
     p.add_argument("--max-rollbacks", type=int, default=2, help="default 2")

@@ -12,6 +12,7 @@
 - :mod:`.steps`: one trainer step's state, and an update from its figures to verl's, in both modes.
 - :mod:`.cosignals`: after verl's update: what it logged (one collective), fed; the step's figures logged.
 - :mod:`.driver`: the trainer-side checks and tags (V0, V1), pre-rejection mismatch.
+- :mod:`.nodes`: every node of the run's Ray cluster imports the package (checked by the driver).
 - :mod:`.refusals`: where ``length_surge`` is refused by name.
 
 Importing this package does nothing; the ``verl.plugins`` entry point (``verl_lrstab._entry``)

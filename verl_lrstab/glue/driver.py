@@ -5,7 +5,8 @@
   this process, and the options that need more than the optimizer config (rollout log-probs
   for the mismatch trigger, not with an async trainer: decided by the trainer's class,
   :mod:`.trainers`), and the rollout configurations known to bias the mismatch figures are
-  warned about (:mod:`verl_lrstab.config_checks`). A trainer whose checks never ran (its
+  warned about (:mod:`verl_lrstab.config_checks`), and every node of the Ray cluster must import the
+  package (:mod:`.nodes`). A trainer whose checks never ran (its
   ``__init__`` skips verl's) is refused at its first ``_update_actor``, naming its class.
 - ``_update_actor`` (V0, V1): tags the actor batch with its position in the trainer step
   (:data:`~verl_lrstab.glue.worker.STEP_POSITION_KEY`); the worker refuses an untagged batch.
@@ -23,7 +24,7 @@ import threading
 import weakref
 
 from verl_lrstab.config import OPTIONS_KEY
-from verl_lrstab.glue import trainers
+from verl_lrstab.glue import nodes, trainers
 from verl_lrstab.glue.config_classes import length_surge_options
 from verl_lrstab.glue.failsafe import SCHEDULER_NAME
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
@@ -95,6 +96,7 @@ def check_run(config, require, trainer=None) -> bool:
                             "with policy staleness and the trigger would react to staleness. Allowed: trigger: "
                             "length (the mismatch/* figures are still logged), or trainer_mode: sync")
     warn_about_rollout_config(config)
+    nodes.check_every_node()
     if trainer is not None:
         _checked[trainer] = is_async
     _length_surge_runs += 1
@@ -114,7 +116,7 @@ def checked_async(trainer) -> bool:
                     "checks (the mismatch trigger's needs, whether its rollout is async) are made, so the "
                     "scheduler could be fed figures it must not use. Supported: verl's main_ppo trainers (V0 "
                     "RayPPOTrainer, V1 sync / colocate_async / separate_async) and subclasses that call "
-                    "super().__init__; see docs/integration.md#trainers")
+                    "super().__init__.")
 
 
 def warn_about_rollout_config(config) -> None:

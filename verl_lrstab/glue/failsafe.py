@@ -26,9 +26,14 @@ SCHEDULER_NAME = "length_surge"  # verl_lrstab.config.SCHEDULER_NAME (not import
 OPTIM = "actor_rollout_ref.actor.optim"  # verl_lrstab.config.OPTIM_KEY (not imported, as above)
 OPTIM_KEY = f"{OPTIM}.lr_scheduler_type"
 
+#: The verl release series the package is tested on. Another verl is not refused for its number: the
+#: checks of each wrapped function decide (an ERROR names each mismatch, and ``length_surge`` is refused).
+TESTED_VERL = "0.9"
+
 #: ``(target, cause)`` of every failure of the glue in this process.
 FAILURES: list = []
 _guard_armed = False
+_announced = False
 
 
 def verl_version() -> str:
@@ -38,6 +43,31 @@ def verl_version() -> str:
         return version("verl")
     except Exception:  # noqa: BLE001
         return "(unknown version)"
+
+
+def serves_tested_verl(version: str) -> bool:
+    """Whether ``version`` is a release of the tested series (``0.9.0``, ``0.9.1``, ``0.9.2rc1``; not ``0.10.0.dev0``)."""
+    return version.split("+")[0].startswith(TESTED_VERL + ".")
+
+
+def announce_verl() -> None:
+    """At plugin load (once per process): a WARNING where verl is not a tested release, naming how it is decided.
+
+    Silent on a tested release; the functions the glue wraps are checked as verl imports them, and
+    each mismatch is an ERROR (:func:`report_failure`), so a user reading the log sees, in every
+    process, whether the plugin serves this verl.
+    """
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    version = verl_version()
+    if not serves_tested_verl(version):
+        logger.warning("verl-lrstab: verl %s is not a release this package was tested on (verl %s.x). Each verl "
+                       "function the plugin wraps is checked as verl imports it: where one no longer matches, an "
+                       "ERROR names it and a run with %s=%s is refused before it trains; runs that do not name "
+                       "length_surge are unaffected. `lrstab check-verl` runs every check now.",
+                       version, TESTED_VERL, OPTIM_KEY, SCHEDULER_NAME)
 
 
 def report_failure(target: str, cause: BaseException) -> None:
@@ -60,8 +90,7 @@ def failure_message() -> str:
     causes = "; ".join(f"{target}: {cause!r}" for target, cause in FAILURES)
     return (f"{OPTIM_KEY}={SCHEDULER_NAME} cannot be used: the verl-lrstab plugin failed to load or to wrap "
             f"verl {verl_version()} in this process ({causes}). Runs with lr_scheduler_type constant or cosine "
-            "are unaffected. verl-lrstab supports verl 0.9.x; `python patches/check_verl.py` lists what no "
-            "longer matches.")
+            "are unaffected. `lrstab check-verl` lists what in this verl no longer matches.")
 
 
 class GlueUnavailable(RuntimeError):

@@ -1,7 +1,7 @@
 """The verl targets the glue wraps (one list), their installation, and what a ``length_surge`` run requires.
 
-``patches/README.md`` gives the reason for each target; ``patches/check_verl.py`` prints the
-checks of each against the installed verl. To wrap another target, append a :class:`~.wraps.Wrap`.
+``lrstab check-verl`` (:mod:`verl_lrstab.cli.check_verl`) prints the checks of each against the
+installed verl. To wrap another target, append a :class:`~.wraps.Wrap`.
 """
 
 from __future__ import annotations

@@ -183,8 +183,8 @@ class StepState:
             if self.unstepped_steps >= MAX_UNSTEPPED_STEPS:
                 raise GlueError(f"verl_lrstab: verl's engine did not step the length_surge scheduler on "
                                 f"{self.unstepped_steps} consecutive trainer steps (the figures handed to it were "
-                                "never consumed), so the LR would stay constant. verl-lrstab supports verl 0.9.x; "
-                                "`python patches/check_verl.py` lists what no longer matches.")
+                                "never consumed), so the LR would stay constant. `lrstab check-verl` lists what in "
+                                "this verl no longer matches.")
         else:
             self.unstepped_steps = 0
         if self.length_unmeasured or (self.reads_model_tokens(length_tokens) and not self.model_tokens_valid):
@@ -192,8 +192,8 @@ class StepState:
             if self.unmeasured_steps >= MAX_UNMEASURED_STEPS:
                 raise GlueError(f"verl_lrstab: the response length could not be measured on {self.unmeasured_steps} "
                                 "consecutive trainer steps (the actor batch lacks the keys it comes from, see the "
-                                "warnings above), so length_surge would train at a constant LR. verl-lrstab supports "
-                                "verl 0.9.x; `python patches/check_verl.py` lists what no longer matches.")
+                                "warnings above), so length_surge would train at a constant LR. `lrstab check-verl` "
+                                "lists what in this verl no longer matches.")
         else:
             self.unmeasured_steps = 0
         return self.fed

@@ -70,7 +70,7 @@ def step_position(value) -> StepPosition:
         raise GlueError("verl_lrstab: the actor batch carries no trainer-step tag (lrstab_step_position): the "
                         "driver-side glue (PPOTrainer._update_actor / RayPPOTrainer._update_actor) did not run in "
                         "the trainer's process, so the scheduler cannot tell trainer steps apart. Check the "
-                        "ERROR logged there; verl-lrstab supports verl 0.9.x (`python patches/check_verl.py`).")
+                        "ERROR logged there; `lrstab check-verl` lists what in this verl no longer matches.")
     values = [int(v) for v in value]
     if len(values) not in (3, 4):
         raise ValueError(f"verl_lrstab: bad trainer-step position {list(value)!r}")

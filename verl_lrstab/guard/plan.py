@@ -131,7 +131,7 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
     if hdfs not in (None, "", "null"):
         raise GuardError(f"trainer.default_hdfs_dir={hdfs}: verl 0.9.1 cannot resume from a remote checkpoint "
                          "(its _load_checkpoint raises NotImplementedError), so no rollback could load one. Unset it "
-                         "(trainer.default_hdfs_dir=null) and copy the local checkpoints out yourself (docs/guard.md)")
+                         "(trainer.default_hdfs_dir=null) and copy the local checkpoints out yourself")
     resume_mode = str(config_value(cfg, "trainer.resume_mode", "auto"))
     if resume_mode not in ("auto", "disable", "resume_path"):
         raise GuardError(f"trainer.resume_mode={resume_mode}: allowed values are auto, disable, resume_path")
