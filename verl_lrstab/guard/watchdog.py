@@ -77,6 +77,46 @@ def _reap_all() -> bool:
             return True
 
 
+ENV_RUN = "LRSTAB_GUARD_RUN"  # set in every process of a guarded launch (inherited): names the run folder
+
+
+def survivors(run_dir: str, exclude=()) -> list[int]:
+    """Live processes of a guarded launch of ``run_dir`` (its :data:`ENV_RUN` in their environment,
+    read from /proc): verl's driver, Ray's daemons and workers, whoever their parent is now (a
+    killed watchdog's orphans are re-parented to init) and whichever guard started them."""
+    mark = f"{ENV_RUN}={run_dir}".encode()
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me or int(entry) in exclude:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+def stop_survivors(run_dir: str, grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM the :func:`survivors` of ``run_dir``, SIGKILL those left after ``grace_s``; return
+    those still alive after that (none, unless a process ignores SIGKILL: one in the kernel's D state)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        pids = survivors(run_dir)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait
+        while pids and time.monotonic() < end:  # a zombie has no environment: it is not found again
+            pids = survivors(run_dir)
+            time.sleep(0.1)
+        if not pids:
+            return []
+    return survivors(run_dir)
+
+
 def _child_setup():
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
