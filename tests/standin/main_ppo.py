@@ -8,7 +8,8 @@ verl's output around the load (``Load from checkpoint folder: ...`` before, tqdm
 Progress`` after),
 and per step appends ``{"step": N, "data": {...}}`` to ``$VERL_FILE_LOGGER_PATH`` and saves a
 checkpoint every save_freq steps in verl's order: every rank's actor shards and fsdp_config.json,
-then data.pt, then the tracker. Its LR is its own implementation of the documented rule (the
+then data.pt, then the tracker (each shard's text, and data.pt's ``written_by``, name the launch and
+the step that wrote it: a checkpoint rewritten by a later launch shows). Its LR is its own implementation of the documented rule (the
 trainer's side, independent of the package). What goes wrong is scripted by ``$STANDIN_SCRIPT``
 (JSON): ``nan_batches`` (batch indices whose grad norm is NaN), ``nan_at`` ({launch: [steps]} with a NaN grad norm), ``crash_at`` ({launch: step}: exit
 1 before that step), ``fail_resume`` (checkpoint steps that fail to load, with a traceback through
@@ -142,13 +143,14 @@ def main():
             actor = ckdir / f"global_step_{step}" / "actor"
             actor.mkdir(parents=True, exist_ok=True)
             for rank in range(WORLD):
-                for prefix in ("model", "optim", "extra_state"):
-                    (actor / f"{prefix}_world_size_{WORLD}_rank_{rank}.pt").write_bytes(b"x")
+                for prefix in ("model", "optim", "extra_state"):  # which launch wrote it: a rewrite shows
+                    (actor / f"{prefix}_world_size_{WORLD}_rank_{rank}.pt").write_text(f"launch {launch} step {step}")
                 if script.get("partial_save_at", {}).get(str(launch)) == step:
                     os._exit(1)
             (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": WORLD}))
             torch.save({"_num_yielded": batch + 1, "_sampler_iter_yielded": batch + 1,
-                        "_sampler_iter_state": {"samples_yielded": 4 * (batch + 1)}}, actor.parent / "data.pt")
+                        "_sampler_iter_state": {"samples_yielded": 4 * (batch + 1)}, "written_by": [launch, step]},
+                       actor.parent / "data.pt")
             (ckdir / "latest_checkpointed_iteration.txt").write_text(str(step))
         for key, where in (("fill_at", None), ("fill_run_dir_at", Path(os.environ["VERL_FILE_LOGGER_PATH"]).parent)):
             at = script.get(key, {}).get(str(launch))

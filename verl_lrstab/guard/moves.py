@@ -126,6 +126,20 @@ def move_aside(src: Path, dest: Path, local: Path) -> Path:
     return dest
 
 
+def _move_file(src: Path, dest: Path) -> None:
+    """Rename the file ``src`` to ``dest``; across file systems, write a copy under a temporary name,
+    rename it, then remove ``src`` (so ``dest`` is whole whenever it exists)."""
+    try:
+        os.rename(src, dest)
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+        tmp = dest.with_name(dest.name + PARTIAL)
+        shutil.copy2(src, tmp)
+        os.rename(tmp, dest)
+        os.unlink(src)
+
+
 def _renamed(src: Path, dest: Path) -> bool:
     """Rename ``src`` to ``dest``: True when done, False across file systems (``EXDEV``)."""
     try:
@@ -230,7 +244,7 @@ def carry_out(checkpoint_dir: Path, pending: dict, progress: Progress, contents=
         if tracker.exists():
             with io_step("move verl's tracker aside to", dest / TRACKER):
                 dest.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(tracker), str(dest / TRACKER))
+                _move_file(tracker, dest / TRACKER)
         progress.tracker_written = True
         return
     # complete as a folder (the tracker may name it already: a journal being redone)
@@ -247,7 +261,7 @@ def carry_out(checkpoint_dir: Path, pending: dict, progress: Progress, contents=
         seg, moved = Path(pending["segment"]), dest / "metrics.jsonl"
         with io_step("move the abandoned segment's metrics to", moved):
             if seg.exists():
-                shutil.move(str(seg), str(moved))
+                _move_file(seg, moved)
             elif not moved.exists():
                 moved.write_text("")
         log = seg.with_suffix(".log")

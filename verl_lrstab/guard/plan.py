@@ -296,9 +296,14 @@ def no_checkpoint_reason(complete: list[int], bad: list[int], onset: int, margin
             + ("; a smaller --margin would use it" if min(complete) <= onset else ""))
 
 
-# verl 0.9.1's RayPPOTrainer: _load_checkpoint prints this before it loads anything; fit() prints
-# (tqdm) or logs these only after the load (and the weight sync) returned.
-LOAD_BEGINS = "Load from checkpoint folder:"
+# What verl 0.9.1 prints around a checkpoint's load (recorded from its real main_ppo on CPU, a damaged
+# model shard: tests/standin/verl_logs/). Before the load: V0 (RayPPOTrainer._load_checkpoint) prints
+# "Load from checkpoint folder: <folder>"; V1 (trainer_base._load_checkpoint, the default) logs
+# "Resuming from <folder>, setting global step to N" (its logger is at INFO unless VERL_LOGGING_LEVEL
+# says otherwise). A worker's failed torch.load comes back as a Ray traceback through
+# "in _load_checkpoint" (both). After the load, fit() logs "Initial validation metrics" (when it
+# validates first) and tqdm's "Training Progress" bar.
+LOAD_BEGINS = ("Load from checkpoint folder:", ", setting global step to ")
 LOADED = ("Training Progress", "Initial validation metrics")
 _LOAD_FAILED = re.compile(r"in _?load_checkpoint\b|in load_state_dict\b|SchedulerStateError|"
                           r"ckpt must specify|resume ckpt must")
@@ -314,7 +319,7 @@ def checkpoint_failed_to_load(log: str) -> bool:
         return False
     if _LOAD_FAILED.search(log):
         return True
-    return LOAD_BEGINS in log and "Traceback" not in log
+    return any(m in log for m in LOAD_BEGINS) and "Traceback" not in log
 
 
 # -- trouble ----------------------------------------------------------------------------------------

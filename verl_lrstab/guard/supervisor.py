@@ -378,8 +378,10 @@ class Guard:
                 return self._finish(records)
             if trouble is None:
                 log = seg.with_suffix(".log")
-                if target is not None and not read_metrics(seg) and checkpoint_failed_to_load(_read_text(log)):
+                loaded = target if target is not None else (self._user_start() or None)  # the first launch's own
+                if loaded is not None and not read_metrics(seg) and checkpoint_failed_to_load(_read_text(log)):
                     # the checkpoint did not load (verl says so, or died while loading): try the next older one
+                    target = loaded
                     st["bad_checkpoints"].append(target)
                     older = [s for s in self._complete(exclude=st["bad_checkpoints"]) if s < target
                              and (limit is None or s <= limit)]
@@ -460,8 +462,7 @@ class Guard:
             return read_tracker(self.plan.checkpoint_dir) or 0
         if self.plan.resume_mode == "resume_path":
             path = next((o.split("=", 1)[1] for o in self.overrides if o.startswith("trainer.resume_from_path=")), "")
-            m = re.search(r"global_step_(\d+)", path)
-            return int(m.group(1)) if m else 0
+            return step_of(Path(path).name) or 0
         return 0
 
     def _newest(self, st: dict) -> Optional[int]:
