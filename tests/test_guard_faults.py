@@ -209,3 +209,25 @@ def test_abandoned_checkpoints_stay_on_their_file_system_when_the_run_folder_is_
         assert written_by(local / f"global_step_{s}") == {f"launch 1 step {s}"}
         assert (run.run_dir / "abandoned" / "attempt-1" / f"global_step_{s}").resolve() == local / f"global_step_{s}"
     assert read_tracker(run.ckpt) == 20 and sorted(run.final()) == list(range(1, 21))
+
+
+# -- a checkpoint that fails to load, as verl 0.9.1 reports it --------------------------------------
+VERL_LOGS = Path(__file__).resolve().parent / "standin" / "verl_logs"
+
+
+@pytest.mark.parametrize("trainer", ["v1", "v0"])
+def test_verls_own_report_of_a_damaged_shard_is_a_failed_load_and_the_older_checkpoint_is_used(tmp_path, trainer):
+    # the first launch (resume_mode=auto from the tracker, 8) prints what verl's real main_ppo printed
+    # for a damaged model shard (recorded: tests/e2e/test_guard_e2e.py's slow test makes it)
+    run = Run(tmp_path, {"fail_resume": [8], "fail_log": str(VERL_LOGS / f"{trainer}_damaged_model_shard.log")},
+              steps=12)
+    plain_run(run, 8)
+    res = run.guard()
+    assert res.returncode == 0, res.stderr
+    (failed,) = run.events("resume_failed")
+    assert (failed["checkpoint_step"], failed["next_checkpoint"]) == (8, 4)
+    assert "UnpicklingError" in Path(failed["log"]).read_text()  # that launch's log is kept, not reused
+    assert sorted(run.final()) == list(range(5, 13))
+    (moved,) = run.events("set_aside")
+    assert written_by(Path(moved["moved"]["global_step_8"])) == {"launch 1 step 8"}  # kept as it was
+    assert written_by(run.ckpt / "global_step_8") == {"launch 3 step 8"}

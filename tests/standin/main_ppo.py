@@ -13,7 +13,7 @@ the step that wrote it: a checkpoint rewritten by a later launch shows). Its LR 
 trainer's side, independent of the package). What goes wrong is scripted by ``$STANDIN_SCRIPT``
 (JSON): ``nan_batches`` (batch indices whose grad norm is NaN), ``nan_at`` ({launch: [steps]} with a NaN grad norm), ``crash_at`` ({launch: step}: exit
 1 before that step), ``fail_resume`` (checkpoint steps that fail to load, with a traceback through
-``_load_checkpoint``), ``die_loading`` (checkpoint steps whose load is killed: SIGKILL, no traceback), ``partial_save_at``
+``_load_checkpoint``; with ``fail_log``, that file's text instead: verl's own output, recorded), ``die_loading`` (checkpoint steps whose load is killed: SIGKILL, no traceback), ``partial_save_at``
 ({launch: step}: die after rank 0's shard of that step), ``score`` ("pm1": a +-1 reward whose
 accuracy falls from 0.44 to 0.05 from step 10), ``surge_at`` (a length surge from that step),
 ``hang_at`` ({launch: step}: sleep after that step: for kill tests), ``daemon`` (start a "Ray daemon" in its own session),
@@ -121,6 +121,9 @@ def main():
         print(f"Load from checkpoint folder: {folder}", flush=True)
         step0 = int(re.search(r"global_step_(\d+)", str(folder)).group(1))
         print(f"Setting global step to {step0}\nResuming from {folder}", flush=True)
+        if step0 in script.get("fail_resume", []) and script.get("fail_log"):  # what verl printed, recorded
+            print(Path(script["fail_log"]).read_text(), flush=True)
+            return 1
         if step0 in script.get("fail_resume", []):  # a worker's load_checkpoint raises, as Ray reports it
             print("Traceback (most recent call last):\n  File \"verl/trainer/ppo/ray_trainer.py\", line 1091, in "
                   "_load_checkpoint\n    self.actor_rollout_wg.load_checkpoint(\nray.exceptions.RayTaskError: "

@@ -366,7 +366,9 @@ class Guard:
                   f"{target} (rollbacks so far: {st['attempt']})", file=sys.stderr, flush=True)
         resume_tries, limit = 0, None  # tries of the current decision; the newest step it may use
         while True:
-            seg = self.run_dir / f"segment-{_next_index(self.run_dir, 'segment-{}.jsonl')}.jsonl"
+            # a new number for each launch (a launch that logged nothing still left its .log)
+            k = max(_next_index(self.run_dir, "segment-{}.jsonl"), _next_index(self.run_dir, "segment-{}.log"))
+            seg = self.run_dir / f"segment-{k}.jsonl"
             first = (target if target is not None else 0 if self._first and self._first.scratch
                      else self._user_start()) + 1
             st["segments"].append([str(seg), first])
