@@ -26,7 +26,7 @@ import pytest
 import torch
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-from verl_lrstab.guard.plan import TRACKER, checkpoint_complete, read_tracker
+from verl_lrstab.guard.plan import checkpoint_complete, read_tracker
 from verl_lrstab.guard.state import load_state
 from verl_lrstab.guard.supervisor import Guard
 

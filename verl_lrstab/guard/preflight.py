@@ -129,7 +129,8 @@ def resume_problem(plan: RunPlan, state: dict, logged: int, complete: list[int],
     ck = plan.checkpoint_dir
     needs = state["after"] if state["after"] or state["rules"] else None
     saved = logged >= plan.save_freq  # verl had saved a checkpoint by then
-    again = f"Nothing was changed (the checkpoints, the run's state); once it is back: lrstab guard --resume {run_dir}"
+    again = (f"Nothing was changed (the checkpoints, the run's state); once it is back: "
+             f"lrstab guard --resume {run_dir}")
     if not ck.is_dir() and (needs is not None or saved):
         return (f"the checkpoint folder {ck} is missing (a file system not mounted yet?), but the run logged "
                 f"{logged} steps (verl saves every {plan.save_freq})"

@@ -20,8 +20,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,13 +29,13 @@ from typing import Optional, Sequence
 
 from verl_lrstab.guard.files import GuardIOError, RunDirBusy, io_step, lock_run_dir, pid_alive, write_atomic
 from verl_lrstab.guard.moves import Progress, carry_out, local_dir, skipped_data_state
-from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, checkpoint_complete, checkpoint_failed_to_load,
+from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, checkpoint_failed_to_load,
                                     checkpoint_steps, choose_checkpoint, compounded_rule, decay_period_for,
                                     find_trouble, halvings_in_force, no_checkpoint_reason, plan_run, read_tracker,
                                     rollback_overrides, stale_tracker, step_folders, step_of)
 from verl_lrstab.guard.preflight import first_launch, resume_problem, tracker_problem
 from verl_lrstab.guard.state import STATE, load_state
-from verl_lrstab.guard.watchdog import ENV_RUN, stop_survivors
+from verl_lrstab.guard.watchdog import ENV_RUN, raise_on_signal, start_supervised, stop_group, stop_survivors
 from verl_lrstab.runs import read_metrics
 from verl_lrstab.schedule import num_decays
 
@@ -350,8 +348,8 @@ class Guard:
             if (not st["pending"] and self.plan.total_steps is not None
                     and max(records, default=0) >= self.plan.total_steps):
                 return self._finish(records)  # verl had finished; the guard died writing the result
-            problem = resume_problem(self.plan, st, max(records, default=0), self._complete(exclude=st["bad_checkpoints"]),
-                                     self.run_dir)
+            problem = resume_problem(self.plan, st, max(records, default=0),
+                                     self._complete(exclude=st["bad_checkpoints"]), self.run_dir)
             if problem:  # checked before anything moves: the run stays resumable as it is
                 raise GuardError(problem)
             self._finish_pending()  # a set-aside the dead guard had decided but not finished
@@ -627,44 +625,3 @@ class Guard:
         with io_step("write the final metrics", path):
             write_atomic(path, text)
         return path
-
-
-LIFELINE_WATCHDOG = "verl_lrstab.guard.watchdog"
-
-
-def start_supervised(cmd: list[str], cwd: Path, env: dict, stdout, keep_fds=()) -> tuple[subprocess.Popen, int]:
-    """Start ``cmd`` under :mod:`.watchdog` in its own session; returns the process and the pipe's
-    write end (the lifeline: the kernel closes it when this process dies, however it dies).
-    ``keep_fds`` are passed on to the watchdog (not to verl): held open until it exits."""
-    read, write = os.pipe()
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", LIFELINE_WATCHDOG, str(read), "--", *cmd], cwd=cwd, env=env,
-                                stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
-                                pass_fds=(read, *keep_fds))
-    except BaseException:
-        os.close(write)
-        raise
-    finally:
-        os.close(read)
-    return proc, write
-
-
-def raise_on_signal(signum, frame):
-    """A SIGTERM handler: unwind (``finally`` blocks stop the child) with status 128 + signum."""
-    raise SystemExit(128 + signum)
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """Stop verl and every process of its group (Ray's daemons included)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
