@@ -196,15 +196,15 @@ def tmpfs(tmp_path):
 
 def test_abandoned_checkpoints_stay_on_their_file_system_when_the_run_folder_is_on_another(tmp_path, tmpfs):
     # the run folder on a 2 MB tmpfs, the checkpoints on the test's disk: a rename across them is EXDEV
+    # (saved every 2 steps: global_step_10 is written before step 11's NaN is logged, so it is always there)
     run = Run(tmp_path, {"nan_at": {"1": [10, 11]}, "hang_at": {"1": 16}, "pad_checkpoints": 3 * 2**20},
-              steps=20, run_dir=tmpfs("runfs") / "guard")
+              steps=20, save_freq=2, run_dir=tmpfs("runfs") / "guard")
     res = run.guard()
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     (moved,) = run.events("set_aside")
     local = run.ckpt / "lrstab_abandoned" / "guard" / "attempt-1"
-    # the first launch's 12 and 16 went beside the checkpoints (a rename: nothing copied); the run folder links them
-    # (12 at least: the guard stops the first launch between its NaN at 11 and its hang at 16)
-    assert "global_step_12" in moved["moved"]
+    # the first launch's folders after 8 went beside the checkpoints (a rename: nothing copied); the run folder links them
+    assert "global_step_10" in moved["moved"]
     assert moved["moved"] == {name: str(local / name) for name in moved["moved"]}
     for name in moved["moved"]:
         assert written_by(local / name) == {f"launch 1 step {name.split('_')[-1]}"}
