@@ -9,9 +9,11 @@ the trouble's onset, the LR decay started there (:func:`.plan.rollback_overrides
 ``max_rollbacks`` rollbacks a further trouble stops it with status 3.
 
 The run directory holds ``lrstab_events.jsonl`` (one JSON object per line, each with ``event``
-and ``step``: ``start``, ``surge`` / ``reward_crash`` / ``non_finite``, ``rollback``, ``done``,
-``gave_up``, ``failed``), ``segment-K.jsonl`` (verl's metrics of each launch), ``abandoned/``
-and ``metrics.jsonl`` (the final trajectory: each segment up to where the next one resumed).
+and ``step``: ``start``, ``surge`` / ``reward_crash`` / ``non_finite``, ``rollback``,
+``set_aside``, ``done``, ``gave_up``, ``failed``, ...), ``segment-K.jsonl`` (verl's metrics of
+each launch), ``abandoned/`` and ``metrics.jsonl`` (the final trajectory: each segment up to
+where the next one resumed). The checkpoints are set aside through a journal (:mod:`.moves`),
+and the checkpoint folder is checked before every launch (:mod:`.preflight`).
 """
 
 from __future__ import annotations
@@ -323,7 +325,8 @@ class Guard:
         message = (f"verl's tracker {self.plan.checkpoint_dir / 'latest_checkpointed_iteration.txt'} names step "
                    f"{stale[0]}, but the checkpoint at step {stale[1]} has all its shards and data.pt: the tracker is "
                    f"stale (verl writes it last). The guard counts checkpoints up to step {stale[0]} only; later "
-                   "ones are moved aside on a rollback or restart. Fix the tracker to resume from the newer one")
+                   "ones are moved aside (never deleted) before verl could save over them. Fix the tracker to resume "
+                   "from the newer one")
         logger.warning("lrstab guard: %s", message)
         print(f"lrstab guard: warning: {message}", file=sys.stderr, flush=True)
         self.events.write("stale_tracker", stale[0], tracker_step=stale[0], newest_checkpoint=stale[1])
