@@ -275,3 +275,19 @@ def test_compare_reads_a_guard_run_and_draws_the_abandoned_segment(tmp_path, mon
     assert len(curve.abandoned) == 1 and list(curve.abandoned[0].index) == list(range(1, 17))
     assert list(curve.series.index) == list(range(1, 25))
     assert (tmp_path / "cmp" / "length.png").exists()
+
+
+@pytest.mark.parametrize("trainer", ["v1", "v0"])
+def test_what_verl_prints_when_a_shard_fails_to_load_is_a_failed_load(trainer):
+    from verl_lrstab.guard.plan import LOAD_BEGINS, checkpoint_failed_to_load
+
+    log = (Path(__file__).resolve().parent / "standin" / "verl_logs" / f"{trainer}_damaged_model_shard.log").read_text()
+    assert checkpoint_failed_to_load(log)  # the Ray traceback through the trainer's _load_checkpoint
+    # killed while loading (no traceback): the trainer's line before the load is what is left
+    begins = next(i for i, line in enumerate(log.splitlines()) if any(m in line for m in LOAD_BEGINS))
+    cut = "\n".join(log.splitlines()[:begins + 1])
+    assert "Traceback" not in cut and checkpoint_failed_to_load(cut)
+    assert not checkpoint_failed_to_load("\n".join(log.splitlines()[:begins]))  # died before the load began
+    # the load returned: fit()'s progress bar; a later death is not the checkpoint's
+    assert not checkpoint_failed_to_load(cut + "\nTraining Progress:   0%|          | 4/6\nTraceback (most recent "
+                                         "call last):\ntorch.OutOfMemoryError: CUDA out of memory")

@@ -117,7 +117,7 @@ def test_a_killed_guard_resumes_on_the_same_lr_rule_without_reusing_folders(tmp_
     run = Run(tmp_path, {"nan_at": {"1": [10, 11]}, "hang_at": {"2": 17}}, steps=24)
     proc = start_guard(run)
     assert wait_for(lambda: run.launches() == 2 if (tmp_path / "launches.txt").exists() else False)
-    seg = lambda: run.run_dir / f"segment-{len(list(run.run_dir.glob('segment-*.jsonl')))}.jsonl"  # noqa: E731
+    seg = lambda: run.run_dir / f"segment-{len(list(run.run_dir.glob('segment-*.log')))}.jsonl"  # noqa: E731
     assert wait_for(lambda: 17 in read_metrics(seg()))
     proc.kill()
     proc.wait(timeout=30)

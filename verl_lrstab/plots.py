@@ -7,10 +7,12 @@ works on a node without a display: a PNG is written by the Agg canvas whatever t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
@@ -34,9 +36,9 @@ class Curve:
     rollback_steps: Sequence[int] = field(default_factory=list)  # lrstab guard: the checkpoints resumed from
 
 
-def _marks(ax, curve: Curve, color) -> None:
+def _marks(ax, curve: Curve, color, scale: float = 1.0) -> None:
     for seg in curve.abandoned:
-        ax.plot(seg.index, seg.values, "-", color="0.6", lw=1, alpha=0.8)
+        ax.plot(seg.index, seg.values / scale, "-", color="0.6", lw=1, alpha=0.8)
     for s in curve.rollback_steps:
         ax.axvline(s, color=color, ls="-", lw=1.5, alpha=0.5)
         ax.plot([s], [0], marker="v", color=color, transform=ax.get_xaxis_transform(), clip_on=False)
@@ -44,6 +46,20 @@ def _marks(ax, curve: Curve, color) -> None:
         ax.axvline(curve.surge_step, color=color, ls="--", lw=1, alpha=0.8)
     for s in curve.decay_steps:
         ax.axvline(s, color=color, ls=":", lw=1, alpha=0.8)
+
+
+def _finite(curves: Sequence[Curve]) -> pd.Series:
+    values = pd.to_numeric(pd.concat([c.series for c in curves]), errors="coerce") if curves else pd.Series(dtype=float)
+    return values[np.isfinite(values)]
+
+
+def _overflows(curves: Sequence[Curve]) -> bool:
+    """Whether the curves' span is near the float limit (a linear axis's ticks would overflow)."""
+    values = _finite(curves)
+    if values.empty:
+        return False
+    lo, hi = float(values.min()), float(values.max())
+    return not np.isfinite((hi - lo) * 4 + max(abs(lo), abs(hi)) * 4)
 
 
 def plot_curves(curves: Sequence[Curve], title: str, ylabel: str, path: str | Path, logy: bool = False) -> Path:
@@ -61,12 +77,19 @@ def plot_curves(curves: Sequence[Curve], title: str, ylabel: str, path: str | Pa
     """
     fig = Figure(figsize=(8, 4.5))
     ax = fig.subplots()
+    positive = all((c.series > 0).all() for c in curves)
+    # a span near the float limit: matplotlib's margins and ticks would pass it (inf); a log axis
+    # (positive values) or values drawn in units of a power of ten stay finite
+    scale = 1.0
+    if _overflows(curves) and not positive:
+        scale = 10.0 ** math.floor(math.log10(float(_finite(curves).abs().max())))
+        ylabel = f"{ylabel} (x {scale:g})"
     for i, c in enumerate(curves):
         color = f"C{i % 10}"
         style = "o-" if len(c.series) < 30 else "-"  # sparse logs: show the points
-        ax.plot(c.series.index, c.series.values, style, color=color, lw=1.2, ms=3, label=c.label)
-        _marks(ax, c, color)
-    if logy and all((c.series > 0).all() for c in curves):
+        ax.plot(c.series.index, c.series.values / scale, style, color=color, lw=1.2, ms=3, label=c.label)
+        _marks(ax, c, color, scale)
+    if (logy or _overflows(curves)) and positive:
         ax.set_yscale("log")
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3)

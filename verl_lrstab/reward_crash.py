@@ -14,6 +14,8 @@ Pure: a function of a score series (indexed by step); no verl, no I/O.
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import pandas as pd
@@ -49,6 +51,11 @@ def reward_crash(score: pd.Series, fraction: float = DEFAULT_FRACTION, floor: Op
         floor = score_floor(score)
     if not len(score) or floor is None:
         return None
+    # the rule is unchanged by a positive scale; scaled to at most 1, the median of two scores near
+    # the float limit (their sum) and the height above the floor cannot overflow to inf
+    scale = max(1.0, float(score.abs().max()), abs(float(floor)))
+    if math.isfinite(scale):
+        score, floor = score / scale, floor / scale
     rolling = score.rolling(window, min_periods=1).median()
     peak = rolling.cummax().shift(1)
     crashed = (peak > floor) & (rolling - floor < fraction * (peak - floor)) & (rolling.index > after)

@@ -25,11 +25,14 @@ import gzip
 import io
 import json
 import math
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pandas as pd
+
+logger = logging.getLogger("verl_lrstab")
 
 STEP_COLUMNS = ("step", "Step", "_step", "global_step", "trainer/global_step")
 # Above this size a progress bar is shown (on a terminal only: tqdm's disable=None).
@@ -127,25 +130,63 @@ def find_metric(df: pd.DataFrame, candidates: Sequence[str]) -> str | None:
 
 
 # -- readers -------------------------------------------------------------------------------------
+_WARNED: set = set()  # ((device, inode), line number) of the unreadable lines already warned about
+
+
 def read_metrics(path: os.PathLike) -> dict[int, dict]:
     """verl's file-logger JSONL (``{"step": N, "data": {...}}`` per line) as ``{step: data}``.
 
     A line being written while we read (no newline yet) is ignored; lines of the same step are
-    merged (later values win).
+    merged (later values win). A whole line that is not of that shape (not JSON, ``data`` not a
+    mapping, ``step`` missing or not a finite whole number) is skipped with one warning naming the
+    file and the line (once per line, however often the file is read again).
     """
     out: dict[int, dict] = {}
     path = Path(path)
-    if not path.exists():
+    try:
+        text = path.read_text(errors="replace")
+        ident = (path.stat().st_dev, path.stat().st_ino)  # the same file when renamed (a guard's abandoned segment)
+    except (FileNotFoundError, IsADirectoryError):
         return out
-    for line in path.read_text().splitlines():
+    lines = text.split("\n")
+    for lineno, line in enumerate(lines, 1):
         line = line.strip()
         if not line:
             continue
+        last = lineno == len(lines)  # no newline after it: still being written unless it reads whole
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+            step, data = record["step"], record["data"]
+            if not isinstance(data, dict) or isinstance(step, bool):
+                raise TypeError
+            step = _as_step(step)
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            if not last and (ident, lineno) not in _WARNED:
+                _WARNED.add((ident, lineno))
+                shown = line if len(line) <= 80 else line[:77] + "..."
+                logger.warning("verl_lrstab: %s:%d: skipped, not a verl file-logger line "
+                               '({"step": <int>, "data": {...}} expected): %s', path, lineno, shown)
             continue
-        out.setdefault(int(record["step"]), {}).update(record["data"])
+        out.setdefault(step, {}).update(data)
+    return out
+
+
+def read_events(path: os.PathLike) -> list[dict]:
+    """An ``lrstab_events.jsonl`` (one JSON object per line) as a list; a line that is not one (cut
+    off by a guard killed mid-write) is skipped with one warning naming the file and the line."""
+    out = []
+    path = Path(path)
+    for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+            if not isinstance(event, dict):
+                raise TypeError
+        except (ValueError, TypeError, RecursionError):
+            logger.warning("verl_lrstab: %s:%d: skipped, not an event (a JSON object expected)", path, lineno)
+            continue
+        out.append(event)
     return out
 
 

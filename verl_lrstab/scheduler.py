@@ -104,7 +104,7 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         changed ``optim.lr``, for our checkpoints and for verl's constant/cosine ones alike; a
         warning gives both values.
         """
-        check_lr_scheduler_state(state_dict)
+        check_lr_scheduler_state(state_dict, param_groups=len(self.optimizer.param_groups))
         if "schedule" not in state_dict:  # saved by verl's constant/cosine (a LambdaLR): restart the detector
             self._restore_schedule(None, state_dict.get("last_epoch"))
             if state_dict.get("base_lrs"):  # the same LR rule as for our own checkpoints, below

@@ -54,9 +54,10 @@ class _Checker:
         return state[field]
 
 
-def check_lr_scheduler_state(state: Any, step_key: str = "last_epoch") -> None:
+def check_lr_scheduler_state(state: Any, step_key: str = "last_epoch", param_groups: Optional[int] = None) -> None:
     """A torch LR scheduler's state (``LengthSurgeLR``, or a stock one verl saved): ``base_lrs``
-    finite and >= 0, ``last_epoch`` an integer >= -1, ``_step_count`` >= 0, ``_last_lr`` finite >= 0,
+    finite and >= 0 (one per optimizer param group when ``param_groups`` is given), ``last_epoch``
+    an integer >= -1, ``_step_count`` >= 0, ``_last_lr`` finite >= 0, ``options`` null or a mapping,
     and the length_surge schedule's state when there is one (:func:`check_schedule_state`)."""
     step = state.get(step_key, "?") if isinstance(state, dict) else "?"
     c = _Checker(step, "scheduler state")
@@ -79,6 +80,11 @@ def check_lr_scheduler_state(state: Any, step_key: str = "last_epoch") -> None:
         for i, lr in enumerate(lrs):
             if not _finite(lr) or lr < 0:
                 c.fail(f"{key}[{i}]", lr, "a finite number >= 0")
+        if param_groups is not None and len(lrs) != param_groups:
+            c.fail(key, lrs, f"{param_groups} learning rate(s), one per param group of the optimizer it is loaded "
+                             "into (the checkpoint's optimizer had another number of param groups)")
+    if state.get("options") is not None and not isinstance(state["options"], dict):
+        c.fail("options", state["options"], "null or a mapping of the length_surge options")
     if "schedule" in state:
         check_schedule_state(state["schedule"], step)
 

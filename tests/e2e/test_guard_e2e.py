@@ -258,3 +258,37 @@ def test_two_rollbacks_in_one_run_each_lowers_the_lr(tmp_path, assets_dir):
     in_force = scale(c2, first) if c2 > c1 else 1.0  # the LR of update c2 in the kept trajectory
     assert scale(c2 + 1, second) <= 0.5 * in_force  # rollback 2 compounds
     assert scale(c2 + 1, second) < scale(c2 + 1, first)  # below the rule of the segment that crashed
+
+
+# two main_ppo runs and a guarded one per trainer (~4 min each on 2 cores): slow. CI keeps the recorded
+# lines of these runs (tests/standin/verl_logs/, read by tests/test_guard_journal.py's failed-load tests).
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["v1", "v0"])
+def test_a_checkpoint_whose_model_shard_is_damaged_is_recognised_and_the_older_one_used(tmp_path, assets_dir,
+                                                                                       trainer):
+    from verl_lrstab_cpu.launch import run_main_ppo
+
+    base = [f"trainer.use_v1={'true' if trainer == 'v1' else 'false'}", "trainer.save_freq=2",
+            f"actor_rollout_ref.actor.optim.lr={LR0}", "++actor_rollout_ref.actor.optim.length_surge.monitor_only=true"]
+    run_dir = tmp_path / "run"
+    plain = run_main_ppo(run_dir, base + ["trainer.total_training_steps=4"], assets_dir=assets_dir,
+                         metrics_name="plain.jsonl", timeout_s=900).check()
+    assert sorted(plain.metrics) == [1, 2, 3, 4]
+    ckpt = run_dir / "checkpoints"
+    shard = next((ckpt / "global_step_4" / "actor").glob("model_world_size_*_rank_0.pt"))
+    shard.write_bytes(b"damaged" * 10)  # a torch.load of it fails in verl's worker
+    proc, events, _ = guard(tmp_path, assets_dir, overrides=base + ["trainer.total_training_steps=6",
+                                                                    "trainer.resume_mode=auto"], timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (failed,) = [e for e in events if e["event"] == "resume_failed"]
+    assert failed["checkpoint_step"] == 4 and failed["next_checkpoint"] == 2
+    log = Path(failed["log"]).read_text(errors="replace")
+    # what the guard reads: the driver's Ray traceback through the trainer's _load_checkpoint (the lines
+    # the trainer printed before the load come through Ray's log forwarding, which may lose them at exit)
+    assert "in _load_checkpoint" in log and "UnpicklingError" in log and "Training Progress" not in log
+    final = read_metrics(Path(events[-1]["metrics"]))
+    assert sorted(final) == [3, 4, 5, 6]  # resumed from step 2
+    # the damaged folder was moved aside before verl saved step 4 again: kept as it was, not overwritten
+    moved = next(Path(e["moved"]["global_step_4"]) for e in events if e["event"] == "set_aside")
+    assert next((moved / "actor").glob("model_world_size_*_rank_0.pt")).read_bytes() == b"damaged" * 10
+    assert (ckpt / "global_step_6").is_dir()

@@ -8,16 +8,19 @@ verl's output around the load (``Load from checkpoint folder: ...`` before, tqdm
 Progress`` after),
 and per step appends ``{"step": N, "data": {...}}`` to ``$VERL_FILE_LOGGER_PATH`` and saves a
 checkpoint every save_freq steps in verl's order: every rank's actor shards and fsdp_config.json,
-then data.pt, then the tracker. Its LR is its own implementation of the documented rule (the
+then data.pt, then the tracker (each shard's text, and data.pt's ``written_by``, name the launch and
+the step that wrote it: a checkpoint rewritten by a later launch shows). Its LR is its own implementation of the documented rule (the
 trainer's side, independent of the package). What goes wrong is scripted by ``$STANDIN_SCRIPT``
 (JSON): ``nan_batches`` (batch indices whose grad norm is NaN), ``nan_at`` ({launch: [steps]} with a NaN grad norm), ``crash_at`` ({launch: step}: exit
 1 before that step), ``fail_resume`` (checkpoint steps that fail to load, with a traceback through
-``_load_checkpoint``), ``die_loading`` (checkpoint steps whose load is killed: SIGKILL, no traceback), ``partial_save_at``
+``_load_checkpoint``; with ``fail_log``, that file's text instead: verl's own output, recorded), ``die_loading`` (checkpoint steps whose load is killed: SIGKILL, no traceback), ``partial_save_at``
 ({launch: step}: die after rank 0's shard of that step), ``score`` ("pm1": a +-1 reward whose
 accuracy falls from 0.44 to 0.05 from step 10), ``surge_at`` (a length surge from that step),
 ``hang_at`` ({launch: step}: sleep after that step: for kill tests), ``daemon`` (start a "Ray daemon" in its own session),
 ``fill_at`` ({launch: [step, folder]}: after that step, fill the folder's file system: a disk that fills up),
-``fill_run_dir_at`` ({launch: step}: the same for the folder of the metrics file). For ``lrstab admit``: ``$STANDIN_K3`` (the per-step
+``fill_run_dir_at`` ({launch: step}: the same for the folder of the metrics file), ``pad_checkpoints`` (bytes of padding in each checkpoint), ``junk_at`` ({launch: step}:
+four lines after that step's that are JSON but not verl's shape). Each launch records, in
+``alive_at_launch_K.txt`` beside the counter, which pids of ``$STANDIN_PIDS`` were alive as it started. For ``lrstab admit``: ``$STANDIN_K3`` (the per-step
 k3, comma-separated), ``$STANDIN_FAIL`` (fail with that error), ``$STANDIN_HANG`` (hang after step 1).
 """
 
@@ -51,6 +54,14 @@ def scale(update, start, period):
     return 1.0 if n == 0 else max(0.1, 0.5 ** n)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def fill(folder: Path) -> None:
     """Write ``folder/filler-*.bin`` until the file system is full (ENOSPC)."""
     for i in range(10**6):
@@ -78,6 +89,10 @@ def main():
     tmp.write_text(str(launch))
     os.replace(tmp, counter)
     if os.environ.get("STANDIN_PIDS"):
+        earlier = Path(os.environ["STANDIN_PIDS"])
+        # which processes of the earlier launches are still alive as this one starts
+        alive = [int(p) for p in (earlier.read_text().split() if earlier.exists() else []) if _alive(int(p))]
+        counter.with_name(f"alive_at_launch_{launch}.txt").write_text(json.dumps(alive))
         with open(os.environ["STANDIN_PIDS"], "a") as f:
             f.write(f"{os.getpid()}\n")
     if script.get("daemon"):
@@ -106,6 +121,9 @@ def main():
         print(f"Load from checkpoint folder: {folder}", flush=True)
         step0 = int(re.search(r"global_step_(\d+)", str(folder)).group(1))
         print(f"Setting global step to {step0}\nResuming from {folder}", flush=True)
+        if step0 in script.get("fail_resume", []) and script.get("fail_log"):  # what verl printed, recorded
+            print(Path(script["fail_log"]).read_text(), flush=True)
+            return 1
         if step0 in script.get("fail_resume", []):  # a worker's load_checkpoint raises, as Ray reports it
             print("Traceback (most recent call last):\n  File \"verl/trainer/ppo/ray_trainer.py\", line 1091, in "
                   "_load_checkpoint\n    self.actor_rollout_wg.load_checkpoint(\nray.exceptions.RayTaskError: "
@@ -137,18 +155,23 @@ def main():
         if k3 is not None:
             data["actor/mismatch/k3"] = k3[(step - 1) % len(k3)]
         log.write(json.dumps({"step": step, "data": data}) + "\n")
+        if script.get("junk_at", {}).get(str(launch)) == step:  # valid JSON, not verl's shape
+            log.write('{"step": 5, "data": 0}\n[1, 2]\n{"data": {}}\n{"step": 1e400, "data": {}}\n')
         log.flush()
         if save_freq > 0 and step % save_freq == 0:
             actor = ckdir / f"global_step_{step}" / "actor"
             actor.mkdir(parents=True, exist_ok=True)
             for rank in range(WORLD):
-                for prefix in ("model", "optim", "extra_state"):
-                    (actor / f"{prefix}_world_size_{WORLD}_rank_{rank}.pt").write_bytes(b"x")
+                for prefix in ("model", "optim", "extra_state"):  # which launch wrote it: a rewrite shows
+                    (actor / f"{prefix}_world_size_{WORLD}_rank_{rank}.pt").write_text(f"launch {launch} step {step}")
                 if script.get("partial_save_at", {}).get(str(launch)) == step:
                     os._exit(1)
+            if script.get("pad_checkpoints"):  # a checkpoint of that many bytes more
+                (actor / "pad.bin").write_bytes(b"\0" * script["pad_checkpoints"])
             (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": WORLD}))
             torch.save({"_num_yielded": batch + 1, "_sampler_iter_yielded": batch + 1,
-                        "_sampler_iter_state": {"samples_yielded": 4 * (batch + 1)}}, actor.parent / "data.pt")
+                        "_sampler_iter_state": {"samples_yielded": 4 * (batch + 1)}, "written_by": [launch, step]},
+                       actor.parent / "data.pt")
             (ckdir / "latest_checkpointed_iteration.txt").write_text(str(step))
         for key, where in (("fill_at", None), ("fill_run_dir_at", Path(os.environ["VERL_FILE_LOGGER_PATH"]).parent)):
             at = script.get(key, {}).get(str(launch))

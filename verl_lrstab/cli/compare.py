@@ -203,12 +203,14 @@ def cmd_compare(args) -> int:
 def _guard_run(path: str):
     """An ``lrstab guard`` run directory: (final metrics, abandoned segments, rollback steps); else None."""
     from verl_lrstab.guard.supervisor import EVENTS
+    from verl_lrstab.runs import read_events
 
     events_path = Path(path) / EVENTS
     if not events_path.is_file():
         return None
-    events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
-    rollbacks = [e for e in events if e.get("event") == "rollback"]
+    events = read_events(events_path)
+    rollbacks = [e for e in events if e.get("event") == "rollback" and isinstance(e.get("abandoned_metrics"), str)
+                 and isinstance(e.get("checkpoint_step"), int)]
     final = Path(path) / "metrics.jsonl"
     if not final.exists():
         raise RunError(f"{path}: an lrstab guard run without metrics.jsonl (still running, or stopped before its end)")

@@ -19,7 +19,8 @@ def cmd_guard(args) -> int:
                                on_reward_crash=not args.no_reward_crash, on_non_finite=not args.no_non_finite,
                                crash_fraction=args.crash_fraction, reseed=args.reseed,
                                non_finite_steps=args.non_finite_steps, max_restarts=args.max_restarts,
-                               max_resume_tries=args.max_resume_tries, skip_batches=args.skip_batches)
+                               max_resume_tries=args.max_resume_tries, skip_batches=args.skip_batches,
+                               from_scratch=args.from_scratch)
         if args.resume is not None:
             if args.run_dir is not None and Path(args.run_dir).resolve() != Path(args.resume).resolve():
                 raise GuardError("--resume RUN_DIR and --run-dir name different folders: give one")
@@ -47,8 +48,8 @@ def add_parser(sub) -> None:
                                    "checkpoint (--max-restarts). The state is kept in the run folder: a killed guard "
                                    "stops verl, and --resume RUN_DIR (or the same command with the same --run-dir) "
                                    "continues on the same LR rule. One guard per run folder (a second is refused). Exit "
-                                   "status: 0 finished, 2 a bad command, option or state file, or another guard "
-                                   "holds the run folder, 3 gave up (too many rollbacks or no checkpoint), 4 verl "
+                                   "status: 0 finished, 2 a bad command, option or state file, a checkpoint folder "
+                                   "verl could not resume from as it is, or another guard holds the run folder, 3 gave up (too many rollbacks or no checkpoint), 4 verl "
                                    "failed, 5 the guard's own file operation failed (a full or read-only disk: "
                                    "--resume once fixed), 128+N stopped by signal N.")
     p.add_argument("--run-dir", help="events, segments and the final metrics (default: next to verl's checkpoints, "
@@ -74,5 +75,9 @@ def add_parser(sub) -> None:
     p.add_argument("--skip-batches", type=int, default=0,
                    help="after a rollback, move verl's dataloader this many batches past the checkpoint's "
                         "position (data.pt), so the trouble window's batches are not replayed (default 0)")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="train from step 0 although trainer.default_local_dir holds global_step_N folders: they are "
+                        "moved aside (into the run folder's abandoned/) first, never overwritten; without it such a "
+                        "launch is refused")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python -m verl.trainer.main_ppo ...")
     p.set_defaults(func=cmd_guard)

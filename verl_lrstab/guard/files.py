@@ -38,12 +38,23 @@ def io_step(operation: str, path):
 
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that a reader (or a guard killed midway) sees the old or the new
-    file; on failure the temporary file is removed and the old file stays."""
+    file; on failure the temporary file is removed and the old file stays. The new file keeps the
+    old one's mode and group (a shared tracker stays writable by the team that shares it)."""
     tmp = path.with_name(f".{path.name}.lrstab-tmp")
+    try:
+        old = os.stat(path)
+    except OSError:
+        old = None
     try:
         with open(tmp, "w") as f:
             f.write(text)
             f.flush()
+            if old is not None:
+                os.fchmod(f.fileno(), old.st_mode & 0o7777)
+                try:
+                    os.fchown(f.fileno(), -1, old.st_gid)
+                except PermissionError:  # not a member of that group: the mode is kept, the group is ours
+                    pass
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -31,7 +31,14 @@ REASONS = ("surge", "reward_crash", "non_finite")
 LENGTH, SCORE, SCORE_MIN = "response_length/mean", "critic/score/mean", "critic/score/min"
 KL, CLIP = "actor/lrstab/mismatch_kl", "actor/lrstab/clip_ratio"
 NON_FINITE_KEYS = ("actor/grad_norm", "actor/pg_loss", "actor/loss")
-_STEP_DIR = re.compile(r"global_step_(\d+)$")
+_STEP_DIR = re.compile(r"global_step_(\d+)")  # verl's directory_format "global_step_{}", matched whole
+
+
+def step_of(name: str) -> Optional[int]:
+    """N of a folder named exactly ``global_step_N`` (as verl names its checkpoints), else None:
+    ``best_global_step_60`` or ``global_step_60.bak`` are a user's, not verl's."""
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 class GuardError(ValueError):
@@ -58,6 +65,9 @@ class GuardOptions:
         max_resume_tries (int): checkpoints tried, newest first, when verl fails to resume. Default 3.
         skip_batches (int): after a rollback, move verl's dataloader this many batches past the
             checkpoint's position (the batches of the trouble window are not replayed). Default 0.
+        from_scratch (bool): the first launch trains from step 0 even though verl's checkpoint
+            folder holds ``global_step_N`` folders (they are moved aside first, never overwritten;
+            without it such a launch is refused). Default False.
     """
 
     max_rollbacks: int = 2
@@ -71,17 +81,23 @@ class GuardOptions:
     max_restarts: int = 1
     max_resume_tries: int = 3
     skip_batches: int = 0
+    from_scratch: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
+        for name in ("on_surge", "on_reward_crash", "on_non_finite", "reseed", "from_scratch"):
+            if not isinstance(getattr(self, name), bool):
+                raise GuardError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.crash_fraction, (int, float)) or isinstance(self.crash_fraction, bool):
+            raise GuardError(f"--crash-fraction must be a number in (0, 1), got {self.crash_fraction!r}")
+        if isinstance(self.max_rollbacks, bool) or not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
             raise GuardError(f"--max-rollbacks must be an integer >= 0, got {self.max_rollbacks!r}")
-        if not isinstance(self.margin, int) or self.margin < 0:
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise GuardError(f"--margin must be an integer >= 0, got {self.margin!r}")
         if not 0 < self.crash_fraction < 1:
             raise GuardError(f"--crash-fraction must be in (0, 1), got {self.crash_fraction!r}")
         for name, value, low in (("non-finite-steps", self.non_finite_steps, 1), ("max-restarts", self.max_restarts, 0),
                                  ("max-resume-tries", self.max_resume_tries, 1), ("skip-batches", self.skip_batches, 0)):
-            if not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise GuardError(f"--{name} must be an integer >= {low}, got {value!r}")
 
 
@@ -101,6 +117,7 @@ class RunPlan:
     lr: Optional[float] = None
     async_save: bool = False
     save_contents: tuple = ("model", "optimizer", "extra")
+    batch_size: Optional[int] = None
 
 
 def plan_run(cfg, cwd: Path) -> RunPlan:
@@ -156,7 +173,19 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
                    rollout_seed=int(seed) if seed is not None else None, warnings=warnings, resume_mode=resume_mode,
                    lr=float(lr) if lr is not None else None,
                    async_save=bool(config_value(cfg, "actor_rollout_ref.actor.checkpoint.async_save", False)),
-                   save_contents=tuple(contents))
+                   save_contents=tuple(contents), batch_size=_batch_size(cfg))
+
+
+def _batch_size(cfg) -> Optional[int]:
+    """verl's dataloader batch (``data.gen_batch_size`` or ``data.train_batch_size``, as RayPPOTrainer builds it)."""
+    for key in ("data.gen_batch_size", "data.train_batch_size"):
+        try:
+            value = config_value(cfg, key)
+            if value is not None and int(value) > 0:
+                return int(value)
+        except (TypeError, ValueError):
+            continue
+    return None
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -190,11 +219,11 @@ def checkpoint_complete(folder: Path, contents=("model", "optimizer", "extra"), 
     after ``data.pt``; skipped with ``async_save``), ``data.pt`` is there, and, for FSDP, each of the
     W ranks' shards of the saved contents. (Megatron writes ``actor/model/``: that folder is asked for.)
     """
-    m = _STEP_DIR.search(folder.name)
+    step = step_of(folder.name)
     actor = folder / "actor"
-    if m is None or not actor.is_dir() or not (folder / "data.pt").is_file():
+    if step is None or not actor.is_dir() or not (folder / "data.pt").is_file():
         return False
-    if check_tracker and (tracker is None or tracker < int(m.group(1))):
+    if check_tracker and (tracker is None or tracker < step):
         return False
     fsdp = actor / "fsdp_config.json"
     if fsdp.is_file():
@@ -216,8 +245,8 @@ def checkpoint_steps(checkpoint_dir: Path, contents=("model", "optimizer", "extr
         return []
     tracker = read_tracker(checkpoint_dir)
     unread = check_tracker and tracker is None  # verl's own tracker write (not atomic) was cut off: the
-    steps = sorted(int(m.group(1)) for d in checkpoint_dir.iterdir()  # newest save is then not trusted
-                   if (m := _STEP_DIR.search(d.name)) and int(m.group(1)) not in exclude
+    steps = sorted(s for d in checkpoint_dir.iterdir()  # newest save is then not trusted
+                   if (s := step_of(d.name)) is not None and s not in exclude
                    and checkpoint_complete(d, contents, tracker, check_tracker and not unread))
     return steps[:-1] if unread and (checkpoint_dir / TRACKER).exists() else steps
 
@@ -226,7 +255,7 @@ def step_folders(checkpoint_dir: Path) -> list[int]:
     """Steps of every ``global_step_N`` folder, complete or not."""
     if not checkpoint_dir.is_dir():
         return []
-    return sorted(int(m.group(1)) for d in checkpoint_dir.iterdir() if (m := _STEP_DIR.search(d.name)))
+    return sorted(s for d in checkpoint_dir.iterdir() if (s := step_of(d.name)) is not None)
 
 
 def choose_checkpoint(steps: list[int], onset: int, margin: int) -> Optional[int]:
@@ -267,9 +296,14 @@ def no_checkpoint_reason(complete: list[int], bad: list[int], onset: int, margin
             + ("; a smaller --margin would use it" if min(complete) <= onset else ""))
 
 
-# verl 0.9.1's RayPPOTrainer: _load_checkpoint prints this before it loads anything; fit() prints
-# (tqdm) or logs these only after the load (and the weight sync) returned.
-LOAD_BEGINS = "Load from checkpoint folder:"
+# What verl 0.9.1 prints around a checkpoint's load (recorded from its real main_ppo on CPU, a damaged
+# model shard: tests/standin/verl_logs/). Before the load: V0 (RayPPOTrainer._load_checkpoint) prints
+# "Load from checkpoint folder: <folder>"; V1 (trainer_base._load_checkpoint, the default) logs
+# "Resuming from <folder>, setting global step to N" (its logger is at INFO unless VERL_LOGGING_LEVEL
+# says otherwise). A worker's failed torch.load comes back as a Ray traceback through
+# "in _load_checkpoint" (both). After the load, fit() logs "Initial validation metrics" (when it
+# validates first) and tqdm's "Training Progress" bar.
+LOAD_BEGINS = ("Load from checkpoint folder:", ", setting global step to ")
 LOADED = ("Training Progress", "Initial validation metrics")
 _LOAD_FAILED = re.compile(r"in _?load_checkpoint\b|in load_state_dict\b|SchedulerStateError|"
                           r"ckpt must specify|resume ckpt must")
@@ -285,7 +319,7 @@ def checkpoint_failed_to_load(log: str) -> bool:
         return False
     if _LOAD_FAILED.search(log):
         return True
-    return LOAD_BEGINS in log and "Traceback" not in log
+    return any(m in log for m in LOAD_BEGINS) and "Traceback" not in log
 
 
 # -- trouble ----------------------------------------------------------------------------------------

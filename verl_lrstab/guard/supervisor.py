@@ -9,9 +9,11 @@ the trouble's onset, the LR decay started there (:func:`.plan.rollback_overrides
 ``max_rollbacks`` rollbacks a further trouble stops it with status 3.
 
 The run directory holds ``lrstab_events.jsonl`` (one JSON object per line, each with ``event``
-and ``step``: ``start``, ``surge`` / ``reward_crash`` / ``non_finite``, ``rollback``, ``done``,
-``gave_up``, ``failed``), ``segment-K.jsonl`` (verl's metrics of each launch), ``abandoned/``
-and ``metrics.jsonl`` (the final trajectory: each segment up to where the next one resumed).
+and ``step``: ``start``, ``surge`` / ``reward_crash`` / ``non_finite``, ``rollback``,
+``set_aside``, ``done``, ``gave_up``, ``failed``, ...), ``segment-K.jsonl`` (verl's metrics of
+each launch), ``abandoned/`` and ``metrics.jsonl`` (the final trajectory: each segment up to
+where the next one resumed). The checkpoints are set aside through a journal (:mod:`.moves`),
+and the checkpoint folder is checked before every launch (:mod:`.preflight`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,12 +29,15 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from verl_lrstab.guard.files import (GuardIOError, RunDirBusy, io_step, lock_run_dir, pid_alive, write_atomic,
-                                     write_json_atomic)
-from verl_lrstab.guard.plan import (TRACKER, GuardError, GuardOptions, RunPlan, checkpoint_failed_to_load, checkpoint_steps,
-                                    choose_checkpoint, compounded_rule, decay_period_for, find_trouble,
-                                    halvings_in_force, no_checkpoint_reason, plan_run, read_tracker,
-                                    rollback_overrides, stale_tracker, step_folders, write_tracker)
+from verl_lrstab.guard.files import GuardIOError, RunDirBusy, io_step, lock_run_dir, pid_alive, write_atomic
+from verl_lrstab.guard.moves import Progress, carry_out, local_dir, skipped_data_state
+from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, checkpoint_failed_to_load,
+                                    checkpoint_steps, choose_checkpoint, compounded_rule, decay_period_for,
+                                    find_trouble, halvings_in_force, no_checkpoint_reason, plan_run, read_tracker,
+                                    rollback_overrides, stale_tracker, step_folders, step_of)
+from verl_lrstab.guard.preflight import first_launch, resume_problem, tracker_problem
+from verl_lrstab.guard.state import STATE, load_state
+from verl_lrstab.guard.watchdog import ENV_RUN, raise_on_signal, start_supervised, stop_group, stop_survivors
 from verl_lrstab.runs import read_metrics
 from verl_lrstab.schedule import num_decays
 
@@ -114,12 +117,14 @@ class EventLog:
 
     def write(self, event: str, step: Optional[int], **fields) -> dict:
         record = {"event": event, "step": step, "time": round(time.time(), 3), **fields}
-        with io_step(f"append the {event!r} event to", self.path), open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        with io_step(f"append the {event!r} event to", self.path), open(self.path, "a+b") as f:
+            cut = False
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"
+            # a line cut off by a guard killed mid-append is ended first: it does not swallow this one
+            f.write((b"\n" if cut else b"") + json.dumps(record).encode() + b"\n")
         return record
-
-
-STATE = "guard_state.json"
 
 
 def _next_index(folder: Path, pattern: str) -> int:
@@ -137,57 +142,24 @@ def _read_text(path: Path) -> str:
         return ""
 
 
+def _is_guard(pid) -> bool:
+    """Whether ``pid`` runs lrstab (a guard or its watchdog), from its command line in /proc."""
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            return b"lrstab" in f.read()
+    except (OSError, TypeError, ValueError):
+        return False
+
+
 def busy_message(run_dir: Path, pid) -> str:
-    """The refusal of a second guard on ``run_dir``, naming the first one's pid."""
-    if pid is not None and pid_alive(pid):
+    """The refusal of a second guard on ``run_dir``, naming the first one's pid when it is a guard."""
+    if pid is not None and pid_alive(pid) and _is_guard(pid):
         return (f"--run-dir {run_dir}: another lrstab guard (pid {pid}) is running this guarded run; two would "
                 f"train on one checkpoint folder. Wait for it, or stop it (kill -TERM {pid}) and continue with "
                 f"lrstab guard --resume {run_dir}")
-    return (f"--run-dir {run_dir}: the lrstab guard that held it (pid {pid if pid is not None else '?'}) is gone, "
-            "but its verl is still being stopped (its watchdog holds the lock for up to ~15 s); try again shortly")
-
-
-# guard_state.json: key -> (what it must be, the check)
-_STATE_KEYS = {
-    "status": ("one of running, done, gave_up, failed", lambda v: v in ("running", "done", "gave_up", "failed")),
-    "command": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v)),
-    "cwd": ("a folder path (string)", lambda v: isinstance(v, str)),
-    "options": ("a mapping of the guard's options", lambda v: isinstance(v, dict)),
-    "attempt": ("an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-    "restarts": ("an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-    "after": ("an integer step", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "rules": ("a list of rules (mappings with checkpoint_step, decay_from_step, decay_period, base_period, attempt)",
-              lambda v: isinstance(v, list) and all(isinstance(r, dict) and all(
-                  isinstance(r.get(k), int) for k in ("checkpoint_step", "decay_from_step", "decay_period",
-                                                       "base_period", "attempt")) for r in v)),
-    "segments": ("a list of [metrics path, first step] pairs",
-                 lambda v: isinstance(v, list) and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
-                                                       and isinstance(x[1], int) for x in v)),
-    "bad_checkpoints": ("a list of integer steps", lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v)),
-}
-
-
-def check_state(data, path: Path) -> None:
-    """Refuse a damaged ``guard_state.json`` with one error naming the file and the key."""
-    if not isinstance(data, dict):
-        raise GuardError(f"{path}: not a guard state (a JSON object expected, got {type(data).__name__}); move it "
-                         "aside to start a new run there")
-    for key, (what, ok) in _STATE_KEYS.items():
-        if key not in data:
-            raise GuardError(f"{path}: the key {key!r} is missing ({what} expected); the file is damaged: restore it, "
-                             "or move it aside to start a new run there")
-        if not ok(data[key]):
-            shown = repr(data[key]) if len(repr(data[key])) < 60 else repr(data[key])[:57] + "..."
-            raise GuardError(f"{path}: the key {key!r} is {shown}, expected {what}; the file is damaged: restore it, "
-                             "or move it aside to start a new run there")
-    try:
-        GuardOptions(**data["options"])
-    except TypeError as err:
-        raise GuardError(f"{path}: the key 'options' holds an unknown option ({err})") from None
-    except GuardError as err:
-        raise GuardError(f"{path}: the key 'options': {err}") from None
-    data.setdefault("pending", None)
-    data.setdefault("resumed_at", None)
+    return (f"--run-dir {run_dir}: its lock ({run_dir / 'guard.lock'}) is held: a guard that is gone left its verl "
+            "being stopped (its watchdog holds the lock for up to ~15 s), or another process holds the file open "
+            f"(fuser {run_dir / 'guard.lock'} names it); try again shortly")
 
 
 class Guard:
@@ -211,7 +183,7 @@ class Guard:
         if resume:
             if run_dir is None:
                 raise GuardError("--resume needs the run folder: lrstab guard --resume RUN_DIR")
-            self.state = self._load_state(Path(run_dir))
+            self.state = load_state(Path(run_dir))
             if self.state is None:
                 raise GuardError(f"--resume {run_dir}: no {STATE} there (not a folder of an lrstab guard run)")
             if command and list(command) != self.state["command"]:
@@ -239,6 +211,7 @@ class Guard:
             raise GuardError(f"--run-dir {self.run_dir}: cannot write there ({err.strerror}); pass a writable "
                              "--run-dir") from None
         self._lock: Optional[int] = None
+        self._progress: Optional[Progress] = None  # the set-aside being made (for a truthful error message)
         try:
             self._lock = lock_run_dir(self.run_dir)
         except RunDirBusy as busy:
@@ -248,18 +221,17 @@ class Guard:
         try:
             self.events = EventLog(self.run_dir / EVENTS)
             if self.state is None:
-                self.state = self._load_state(self.run_dir)
+                self.state = load_state(self.run_dir)
                 if self.state is not None and self.state["command"] != self.launcher + self.overrides:
                     raise GuardError(f"--run-dir {self.run_dir} holds another command's guarded run; pass another "
                                      f"--run-dir, or continue that one with lrstab guard --resume {self.run_dir}")
             if self.state is not None and self.state["status"] != "running":
                 raise GuardError(f"--run-dir {self.run_dir}: its guarded run already ended ({self.state['status']}); "
                                  "pass another --run-dir for a new run")
-            if self.state is None and self.plan.resume_mode == "disable" and self._complete():
-                raise GuardError(f"trainer.resume_mode=disable with checkpoints already in "
-                                 f"{self.plan.checkpoint_dir} (steps {self._complete()}): a rollback could load the "
-                                 "old run's. Use an empty trainer.default_local_dir, or resume_mode=auto to continue "
-                                 "from them")
+            # a new run: refused here, before anything is written, when verl would resume from a missing
+            # checkpoint or train over existing ones (preflight); a continued run is checked in run()
+            self._first = first_launch(self.plan, self.overrides, self.options.from_scratch, self.cwd) \
+                if self.state is None else None
         except BaseException:
             self.release()
             raise
@@ -271,21 +243,9 @@ class Guard:
             self._lock = None
 
     # -- the persisted state -----------------------------------------------------------------------
-    @staticmethod
-    def _load_state(run_dir: Path) -> Optional[dict]:
-        path = run_dir / STATE
-        if not path.exists():
-            return None
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise GuardError(f"{path}: unreadable ({err}); move it aside to start a new run there") from None
-        check_state(data, path)
-        return data
-
     def _save(self) -> None:
         with io_step("write the guard's state", self.run_dir / STATE):
-            write_json_atomic(self.run_dir / STATE, self.state)
+            write_atomic(self.run_dir / STATE, json.dumps(self.state, indent=1))
 
     def _new_state(self) -> dict:
         from dataclasses import asdict
@@ -308,6 +268,13 @@ class Guard:
             return self._run()
         except GuardIOError as err:
             return self._io_failed(err)
+        except GuardError as err:  # a checkpoint folder that cannot be resumed from as it is: nothing launched
+            print(f"lrstab guard: error: {err}", file=sys.stderr, flush=True)
+            try:
+                self.events.write("refused", None, error=str(err), status=2)
+            except GuardIOError:
+                pass
+            return 2
         except (SystemExit, KeyboardInterrupt) as stop:
             code = stop.code if isinstance(stop, SystemExit) else 128 + signal.SIGINT
             if isinstance(code, int) and code > 128:
@@ -332,9 +299,11 @@ class Guard:
                               error=str(err), status=STATUS_IO_ERROR)
         except GuardIOError:
             pass  # the run folder itself is full or read-only: the message below is all there is
-        print(f"lrstab guard: error: {err}. verl was stopped; the checkpoints and {self.run_dir / STATE} are as "
-              f"they were. Free space or make the folder writable, then: lrstab guard --resume {self.run_dir}",
-              file=sys.stderr, flush=True)
+        where = (self._progress.describe() if self._progress is not None else
+                 f"the guard moved no checkpoint, and verl's tracker is as verl left it")
+        print(f"lrstab guard: error: {err}. verl was stopped; {where}; {self.run_dir / STATE} is the last one written "
+              f"whole{' (it holds the decided moves: --resume finishes them)' if self._progress else ''}. Free space "
+              f"or make the folder writable, then: lrstab guard --resume {self.run_dir}", file=sys.stderr, flush=True)
         return STATUS_IO_ERROR
 
     def _end(self, status: str, code: int) -> int:
@@ -356,7 +325,8 @@ class Guard:
         message = (f"verl's tracker {self.plan.checkpoint_dir / 'latest_checkpointed_iteration.txt'} names step "
                    f"{stale[0]}, but the checkpoint at step {stale[1]} has all its shards and data.pt: the tracker is "
                    f"stale (verl writes it last). The guard counts checkpoints up to step {stale[0]} only; later "
-                   "ones are moved aside on a rollback or restart. Fix the tracker to resume from the newer one")
+                   "ones are moved aside (never deleted) before verl could save over them. Fix the tracker to resume "
+                   "from the newer one")
         logger.warning("lrstab guard: %s", message)
         print(f"lrstab guard: warning: {message}", file=sys.stderr, flush=True)
         self.events.write("stale_tracker", stale[0], tracker_step=stale[0], newest_checkpoint=stale[1])
@@ -372,11 +342,23 @@ class Guard:
                               max_rollbacks=self.options.max_rollbacks, warnings=self.plan.warnings)
             self._warn_stale_tracker()
             target = None  # the user's own resume_mode on the first launch
+            if self._first.scratch:
+                self._set_aside(None, "before-start")
+            elif self._first.keep is not None:  # verl would save over the folders after its resume step
+                self._set_aside(self._first.keep, "before-start")
         else:
-            self._finish_pending()  # a set-aside the dead guard had decided but not finished
             records = self._trajectory()
-            if self.plan.total_steps is not None and max(records, default=0) >= self.plan.total_steps:
+            if (not st["pending"] and self.plan.total_steps is not None
+                    and max(records, default=0) >= self.plan.total_steps):
                 return self._finish(records)  # verl had finished; the guard died writing the result
+            problem = resume_problem(self.plan, st, max(records, default=0),
+                                     self._complete(exclude=st["bad_checkpoints"]), self.run_dir)
+            if problem:  # checked before anything moves: the run stays resumable as it is
+                raise GuardError(problem)
+            self._finish_pending()  # a set-aside the dead guard had decided but not finished
+            problem = tracker_problem(self.plan)
+            if problem:
+                raise GuardError(problem)
             self._warn_stale_tracker()
             target = self._newest(st)
             self.events.write("resumed", target or 0, checkpoint_step=target, attempt=st["attempt"],
@@ -385,8 +367,11 @@ class Guard:
                   f"{target} (rollbacks so far: {st['attempt']})", file=sys.stderr, flush=True)
         resume_tries, limit = 0, None  # tries of the current decision; the newest step it may use
         while True:
-            seg = self.run_dir / f"segment-{_next_index(self.run_dir, 'segment-{}.jsonl')}.jsonl"
-            first = (target if target is not None else self._user_start()) + 1
+            # a new number for each launch (a launch that logged nothing still left its .log)
+            k = max(_next_index(self.run_dir, "segment-{}.jsonl"), _next_index(self.run_dir, "segment-{}.log"))
+            seg = self.run_dir / f"segment-{k}.jsonl"
+            first = (target if target is not None else 0 if self._first and self._first.scratch
+                     else self._user_start()) + 1
             st["segments"].append([str(seg), first])
             st["resumed_at"] = target
             self._save()
@@ -396,8 +381,10 @@ class Guard:
                 return self._finish(records)
             if trouble is None:
                 log = seg.with_suffix(".log")
-                if target is not None and not read_metrics(seg) and checkpoint_failed_to_load(_read_text(log)):
+                loaded = target if target is not None else (self._user_start() or None)  # the first launch's own
+                if loaded is not None and not read_metrics(seg) and checkpoint_failed_to_load(_read_text(log)):
                     # the checkpoint did not load (verl says so, or died while loading): try the next older one
+                    target = loaded
                     st["bad_checkpoints"].append(target)
                     older = [s for s in self._complete(exclude=st["bad_checkpoints"]) if s < target
                              and (limit is None or s <= limit)]
@@ -419,7 +406,7 @@ class Guard:
                     st["restarts"] += 1
                     resume_tries, limit = 0, None
                     target = max(self._complete(exclude=st["bad_checkpoints"]))
-                    self._set_aside(target, self.run_dir / "abandoned" / f"restart-{st['restarts']}")
+                    self._set_aside(target, "restart")
                     self.events.write("restart", max(records, default=0), returncode=rc, checkpoint_step=target,
                                       restarts=st["restarts"], log=str(log))
                     print(f"lrstab guard: verl exited with status {rc} (log: {log}); restart {st['restarts']} "
@@ -447,17 +434,19 @@ class Guard:
                 print(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}), but {why} in "
                       f"{self.plan.checkpoint_dir}: stopping", file=sys.stderr)
                 return self._end("gave_up", STATUS_GAVE_UP)
+            if self.options.skip_batches:  # checked before anything moves (raises naming data.pt and the key)
+                skipped_data_state(self.plan.checkpoint_dir / f"global_step_{ckpt}", self.options.skip_batches,
+                                   self.plan.batch_size)
             st["attempt"] += 1
             resume_tries = 0
             period = decay_period_for(trouble, self.plan.length_surge)
             rule = self._push_rule(ckpt, period, records)
-            dest = self._attempt_dir(st["attempt"])
+            dest = self._fresh_dir("attempt", st["attempt"])
             # the decision first (the state names the rollback and what to move), then the moves: a guard
             # that dies or fails in between finishes them on --resume (_finish_pending)
             st["segments"][-1][0] = str(dest / "metrics.jsonl")
             st["after"], target = ckpt, ckpt
-            st["pending"] = {"checkpoint_step": ckpt, "dest": str(dest), "segment": str(seg),
-                             "skip_batches": self.options.skip_batches}
+            st["pending"] = self._pending(ckpt, dest, segment=str(seg), skip=self.options.skip_batches)
             self._save()
             self.events.write("rollback", trouble.step, checkpoint_step=ckpt, onset_step=trouble.onset,
                               attempt=st["attempt"], reason=trouble.reason, decay_period=rule["decay_period"],
@@ -476,68 +465,61 @@ class Guard:
             return read_tracker(self.plan.checkpoint_dir) or 0
         if self.plan.resume_mode == "resume_path":
             path = next((o.split("=", 1)[1] for o in self.overrides if o.startswith("trainer.resume_from_path=")), "")
-            m = re.search(r"global_step_(\d+)", path)
-            return int(m.group(1)) if m else 0
+            return step_of(Path(path).name) or 0
         return 0
 
     def _newest(self, st: dict) -> Optional[int]:
-        """After the guard's own death: the newest complete checkpoint of this run (None: from scratch)."""
+        """After the guard's own death: the newest complete checkpoint of this run (None: from scratch,
+        the unfinished saves moved aside; :func:`.preflight.resume_problem` refused the rest)."""
         steps = self._complete(exclude=st["bad_checkpoints"])
-        return self._retarget(max(steps)) if steps else None
+        if steps:
+            return self._retarget(max(steps))
+        if step_folders(self.plan.checkpoint_dir):
+            self._set_aside(None, "incomplete")
+        return None
 
     def _retarget(self, step: int, skip: int = 0) -> int:
-        self._set_aside(step, self.run_dir / "abandoned" / "incomplete", skip)
+        self._set_aside(step, "incomplete", skip)
         return step
 
-    def _set_aside(self, step: int, dest: Path, skip: int = 0) -> None:
-        """Move the ``global_step_N`` folders after ``step`` aside to ``dest``; the tracker names ``step``
-        (and with ``skip``, move ``step``'s dataloader position on). Journaled: see :meth:`_finish_pending`."""
-        self.state["pending"] = {"checkpoint_step": step, "dest": str(dest), "segment": None, "skip_batches": skip}
+    def _pending(self, step: Optional[int], dest: Path, segment: Optional[str] = None, skip: int = 0) -> dict:
+        """The journal entry of a set-aside (:mod:`.moves`): keep ``step`` (None: nothing, from scratch)."""
+        return {"checkpoint_step": step or 0, "scratch": step is None, "dest": str(dest),
+                "local": str(local_dir(self.plan.checkpoint_dir, self.run_dir, dest)), "segment": segment,
+                "skip_batches": skip}
+
+    def _set_aside(self, step: Optional[int], kind: str, skip: int = 0) -> None:
+        """Move the ``global_step_N`` folders after ``step`` (all of them when None) aside to a fresh
+        ``abandoned/<kind>-K``; the tracker names ``step`` (and with ``skip``, move ``step``'s
+        dataloader position on). Journaled: see :meth:`_finish_pending`."""
+        k = self.state["restarts"] if kind == "restart" else None
+        self.state["pending"] = self._pending(step, self._fresh_dir(kind, k), skip=skip)
         self._save()
         self._finish_pending()
 
     def _finish_pending(self) -> None:
-        """Carry out the set-aside the state names (``pending``), then clear it. Every part can be
-        redone (a folder already moved is not there any more; the tracker is rewritten; the
-        dataloader is moved from its original), so a guard that died or failed midway finishes it
-        on ``--resume`` and the checkpoints match the state's decision."""
+        """Carry out the set-aside the state names (``pending``; :func:`.moves.carry_out`), then clear
+        it. Every part can be redone, so a guard that died or failed midway finishes it on ``--resume``."""
         pending = self.state.get("pending")
         if not pending:
             return
-        ckdir, step, dest = self.plan.checkpoint_dir, pending["checkpoint_step"], Path(pending["dest"])
-        with io_step("make the folder", dest):
-            dest.mkdir(parents=True, exist_ok=True)
-        seg = Path(pending["segment"]) if pending.get("segment") else None
-        if seg is not None:  # a rollback: the abandoned segment's metrics and log go with its checkpoints
-            moved = dest / "metrics.jsonl"
-            with io_step("move the abandoned segment's metrics to", moved):
-                if seg.exists():
-                    shutil.move(str(seg), str(moved))
-                elif not moved.exists():
-                    moved.write_text("")
-            log = seg.with_suffix(".log")
-            if log.exists() and not (dest / "verl.log").exists():
-                with io_step("copy verl's log to", dest / "verl.log"):
-                    shutil.copy(log, dest / "verl.log")
-        for s in step_folders(ckdir):
-            if s > step:
-                name = f"global_step_{s}"
-                target = dest / (name if not (dest / name).exists() else f"{name}-{time.time():.0f}")
-                with io_step(f"move the checkpoint {ckdir / name} aside to", target):
-                    shutil.move(str(ckdir / name), str(target))
-        with io_step("rewrite verl's tracker", ckdir / TRACKER):
-            write_tracker(ckdir, step)
-        if pending.get("skip_batches"):
-            with io_step("move the dataloader position in", ckdir / f"global_step_{step}" / "data.pt"):
-                skip_batches(ckdir / f"global_step_{step}", pending["skip_batches"])
+        self._progress = Progress(self.plan.checkpoint_dir, pending["checkpoint_step"],
+                                  scratch=bool(pending.get("scratch")))
+        carry_out(self.plan.checkpoint_dir, pending, self._progress, self.plan.save_contents,
+                  local=Path(pending["local"]) if pending.get("local") else None, batch_size=self.plan.batch_size)
+        if self._progress.moved:
+            self.events.write("set_aside", None if pending.get("scratch") else pending["checkpoint_step"],
+                              dest=pending["dest"], moved=dict(self._progress.moved))
         self.state["pending"] = None
         self._save()
+        self._progress = None
 
-    def _attempt_dir(self, attempt: int) -> Path:
-        """``abandoned/attempt-K`` for rollback K (a K whose folder an earlier run here filled is not reused)."""
-        dest = self.run_dir / "abandoned" / f"attempt-{attempt}"
-        while dest.exists() and any(dest.iterdir()):
-            dest = dest.with_name(f"attempt-{_next_index(dest.parent, 'attempt-{}')}")
+    def _fresh_dir(self, kind: str, k: Optional[int] = None) -> Path:
+        """``abandoned/<kind>-K`` (K: ``k``, or the next free one), never a folder already holding something."""
+        root = self.run_dir / "abandoned"
+        dest = root / f"{kind}-{k if k is not None else _next_index(root, kind + '-{}')}"
+        while dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            dest = root / f"{kind}-{_next_index(root, kind + '-{}')}"
         return dest
 
     def _push_rule(self, ckpt: int, period: int, records: dict) -> dict:
@@ -559,8 +541,9 @@ class Guard:
         """The overrides of a launch: none on the first (the user's resume_mode), else verl's resume
         from ``target`` (from scratch when None) and the LR rule in force."""
         st = self.state
-        if target is None and not st["segments"][:-1]:
-            return []
+        if target is None and not st["segments"][:-1]:  # the first launch
+            scratch = self._first is not None and self._first.scratch and self.plan.resume_mode != "disable"
+            return ["trainer.resume_mode=disable"] if scratch else []
         if target is None:
             return ["trainer.resume_mode=disable"]
         rules = [r for r in st["rules"] if r["checkpoint_step"] <= target]
@@ -573,7 +556,13 @@ class Guard:
 
     def _launch(self, seg: Path, extra: list[str], after: int):
         """Run verl once; stop it at the first trouble after ``after``. Returns ``(trouble, returncode)``."""
-        env = {**self.env, "VERL_FILE_LOGGER_PATH": str(seg)}
+        left = stop_survivors(str(self.run_dir))  # a previous launch's processes (a watchdog killed, a guard killed)
+        if left:
+            raise GuardError(f"processes of the previous launch of this run survive SIGKILL (pids {left}; "
+                             "uninterruptible, in the kernel's D state?): a second verl would train beside them on "
+                             f"the same checkpoints. Stop them, then: lrstab guard --resume {self.run_dir}")
+        # every process of the launch carries ENV_RUN (inherited): what survives it is found and stopped above
+        env = {**self.env, "VERL_FILE_LOGGER_PATH": str(seg), ENV_RUN: str(self.run_dir)}
         overrides = self.overrides
         if extra:
             overrides = [o for o in overrides if not o.startswith(("trainer.resume_mode=", "trainer.resume_from_path="))]
@@ -639,69 +628,3 @@ class Guard:
         with io_step("write the final metrics", path):
             write_atomic(path, text)
         return path
-
-
-def skip_batches(folder: Path, n: int) -> None:
-    """Move the dataloader state of the checkpoint ``folder`` (verl's ``data.pt``, a torchdata
-    ``StatefulDataLoader`` state) ``n`` batches on, so the resumed run does not replay the batches
-    after the checkpoint. The original is kept as ``data.lrstab-orig.pt``; each call starts from it."""
-    import torch
-
-    data, orig = folder / "data.pt", folder / "data.lrstab-orig.pt"
-    if not orig.exists():
-        shutil.copy2(data, orig)
-    state = torch.load(orig, weights_only=False)
-    yielded = int(state.get("_sampler_iter_yielded") or state.get("_num_yielded") or 0)
-    inner = state.get("_sampler_iter_state")
-    if isinstance(inner, dict) and "samples_yielded" in inner:
-        per_batch = inner["samples_yielded"] // yielded if yielded else None
-        if not per_batch:
-            raise GuardError(f"--skip-batches: {orig} has no batch yielded to size a batch by")
-        inner["samples_yielded"] += n * per_batch
-    for key in ("_num_yielded", "_sampler_iter_yielded"):
-        if key in state and state[key] is not None:
-            state[key] += n
-    tmp = folder / ".data.pt.lrstab-tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, data)
-
-
-LIFELINE_WATCHDOG = "verl_lrstab.guard.watchdog"
-
-
-def start_supervised(cmd: list[str], cwd: Path, env: dict, stdout, keep_fds=()) -> tuple[subprocess.Popen, int]:
-    """Start ``cmd`` under :mod:`.watchdog` in its own session; returns the process and the pipe's
-    write end (the lifeline: the kernel closes it when this process dies, however it dies).
-    ``keep_fds`` are passed on to the watchdog (not to verl): held open until it exits."""
-    read, write = os.pipe()
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", LIFELINE_WATCHDOG, str(read), "--", *cmd], cwd=cwd, env=env,
-                                stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
-                                pass_fds=(read, *keep_fds))
-    except BaseException:
-        os.close(write)
-        raise
-    finally:
-        os.close(read)
-    return proc, write
-
-
-def raise_on_signal(signum, frame):
-    """A SIGTERM handler: unwind (``finally`` blocks stop the child) with status 128 + signum."""
-    raise SystemExit(128 + signum)
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """Stop verl and every process of its group (Ray's daemons included)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-

@@ -19,7 +19,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+MODULE = "verl_lrstab.guard.watchdog"
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 GRACE_S = 10.0
 
@@ -77,8 +79,86 @@ def _reap_all() -> bool:
             return True
 
 
+ENV_RUN = "LRSTAB_GUARD_RUN"  # set in every process of a guarded launch (inherited): names the run folder
+
+
+def survivors(run_dir: str, exclude=()) -> list[int]:
+    """Live processes of a guarded launch of ``run_dir`` (its :data:`ENV_RUN` in their environment,
+    read from /proc): verl's driver, Ray's daemons and workers, whoever their parent is now (a
+    killed watchdog's orphans are re-parented to init) and whichever guard started them."""
+    mark = f"{ENV_RUN}={run_dir}".encode()
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me or int(entry) in exclude:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+def stop_survivors(run_dir: str, grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM the :func:`survivors` of ``run_dir``, SIGKILL those left after ``grace_s``; return
+    those still alive after that (none, unless a process ignores SIGKILL: one in the kernel's D state)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        pids = survivors(run_dir)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait
+        while pids and time.monotonic() < end:  # a zombie has no environment: it is not found again
+            pids = survivors(run_dir)
+            time.sleep(0.1)
+        if not pids:
+            return []
+    return survivors(run_dir)
+
+
 def _child_setup():
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# -- the guard's side: start verl under the watchdog, stop it ------------------------------------------
+def start_supervised(cmd: list[str], cwd: Path, env: dict, stdout, keep_fds=()) -> tuple[subprocess.Popen, int]:
+    """Start ``cmd`` under :mod:`.watchdog` in its own session; returns the process and the pipe's
+    write end (the lifeline: the kernel closes it when this process dies, however it dies).
+    ``keep_fds`` are passed on to the watchdog (not to verl): held open until it exits."""
+    read, write = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", MODULE, str(read), "--", *cmd], cwd=cwd, env=env,
+                                stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
+                                pass_fds=(read, *keep_fds))
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    return proc, write
+
+
+def raise_on_signal(signum, frame):
+    """A SIGTERM handler: unwind (``finally`` blocks stop the child) with status 128 + signum."""
+    raise SystemExit(128 + signum)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """Stop verl and every process of its group (Ray's daemons included)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def main(argv=None) -> int:

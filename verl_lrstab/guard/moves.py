@@ -1,0 +1,275 @@
+"""Setting checkpoints aside (a rollback's, a restart's, the unfinished saves'), in an order no fault
+can turn into a lost or overwritten checkpoint.
+
+The guard first writes its decision to its state file (``pending``: the checkpoint step S it
+keeps, where the rest goes), then :func:`carry_out` makes the moves in this order:
+
+1. check that ``global_step_S`` is a complete checkpoint (nothing is touched otherwise);
+2. rewrite verl's tracker to name S (write + rename: a reader sees the old step T or S, never a
+   half-written file; T >= S and both folders are complete and in place at that instant);
+3. move the abandoned segment's metrics and log into the destination (the run folder);
+4. move each ``global_step_N`` after S out of the checkpoint folder (:func:`move_aside`); the
+   tracker names S already, so no instant of this step leaves it naming a folder that is gone;
+5. with ``--skip-batches``, replace S's ``data.pt`` (write + rename; the original kept once as
+   ``data.lrstab-orig.pt``, itself written under a temporary name and renamed).
+
+Each step can be redone: the tracker is rewritten, a folder already moved is no longer in the
+checkpoint folder, a copy is completed from its original, ``data.pt`` is computed from the kept
+original. So a guard killed or failing at any point finishes the journal on ``--resume`` (or the
+same command again), and verl's ``find_latest_ckpt_path`` names a complete ``global_step_S`` or
+``global_step_T`` at every instant in between.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from verl_lrstab.guard.files import GuardIOError, io_step, write_atomic
+from verl_lrstab.guard.plan import (TRACKER, GuardError, checkpoint_complete, read_tracker, step_folders,
+                                    write_tracker)
+
+LOCAL = "lrstab_abandoned"  # beside the checkpoints, on their file system: where a rename across file systems goes
+PARTIAL = ".lrstab-partial"  # a copy being written (never a ``global_step_N`` name: verl and the guard ignore it)
+
+
+@dataclass
+class Progress:
+    """What :func:`carry_out` has done so far (for a truthful message when it stops midway)."""
+
+    checkpoint_dir: Path
+    checkpoint_step: int
+    scratch: bool = False
+    tracker_before: Optional[int] = None
+    tracker_written: bool = False
+    moved: list = field(default_factory=list)  # (folder name, where it went)
+    left: list = field(default_factory=list)  # folder names after S still in the checkpoint folder
+    data_moved: bool = False
+
+    def describe(self) -> str:
+        """The checkpoints' state in words: the tracker, what was moved and what was not."""
+        ck, s = self.checkpoint_dir, self.checkpoint_step
+        moved = "; ".join(f"{name} -> {where}" for name, where in self.moved) or "none"
+        left = ", ".join(self.left) or "none"
+        if self.scratch:
+            tracker = (f"verl's tracker was moved aside too" if self.tracker_written else
+                       f"verl's tracker {ck / TRACKER} is still there (moved last)")
+            return f"checkpoints moved aside: {moved}; not moved yet (still in {ck}): {left}; {tracker}"
+        tracker = (f"verl's tracker {ck / TRACKER} names step {s} (rewritten)" if self.tracker_written else
+                   f"verl's tracker was not rewritten (it still names step {self.tracker_before})")
+        return (f"{tracker}; checkpoints moved aside: {moved}; not moved yet (still in {ck}): {left}; "
+                f"the checkpoint kept, global_step_{s}, is complete and in place")
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """Copy the folder ``src`` to ``dst`` (symlinks as links); stop at the first error (an ``OSError``
+    naming its errno, not shutil's list of every file's error)."""
+    os.mkdir(dst)
+    for entry in os.scandir(src):
+        target = dst / entry.name
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+        elif entry.is_dir():
+            _copy_tree(Path(entry.path), target)
+        else:
+            shutil.copy2(entry.path, target)
+    shutil.copystat(src, dst)
+
+
+def move_aside(src: Path, dest: Path, local: Path) -> Path:
+    """Move the checkpoint folder ``src`` to ``dest`` (returns where it went).
+
+    A rename when ``dest`` is on the same file system. Across file systems (``EXDEV``) the folder
+    is renamed to ``local`` instead (beside the checkpoints, on their own file system: nothing is
+    copied and nothing can fill a disk). Only where that fails too (``src`` itself a mount), it is
+    copied under a temporary name, renamed to ``dest`` when complete, and the original removed
+    after; a copy that fails (``ENOSPC``) is removed again. Redone after a kill, it completes:
+    ``dest`` exists only once a copy is complete, so an original still beside it is removed."""
+    for target in (dest, local):
+        if target.exists() and not src.exists():
+            return target  # moved before the guard died
+    if dest.exists() and src.exists():  # a complete copy, its original being removed when the guard died
+        with io_step("remove the copied original", src):
+            shutil.rmtree(src)
+        return dest
+    with io_step("make the folder", dest.parent):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    if _renamed(src, dest):
+        return dest
+    while local.exists():  # another run's folder of that name: never merged into
+        local = local.with_name(local.name + "+")
+    with io_step("make the folder", local.parent):
+        local.parent.mkdir(parents=True, exist_ok=True)
+    if _renamed(src, local):
+        try:  # the run folder points to it (a convenience: the event names it too)
+            os.symlink(local, dest)
+        except OSError:
+            pass
+        return local
+    partial = dest.with_name(dest.name + PARTIAL)
+    with io_step(f"copy the checkpoint {src} to", partial):
+        if partial.exists():
+            shutil.rmtree(partial)
+        try:
+            _copy_tree(src, partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    with io_step("rename the finished copy to", dest):
+        os.rename(partial, dest)
+    with io_step("remove the copied original", src):
+        shutil.rmtree(src)
+    return dest
+
+
+def _move_file(src: Path, dest: Path) -> None:
+    """Rename the file ``src`` to ``dest``; across file systems, write a copy under a temporary name,
+    rename it, then remove ``src`` (so ``dest`` is whole whenever it exists)."""
+    try:
+        os.rename(src, dest)
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+        tmp = dest.with_name(dest.name + PARTIAL)
+        shutil.copy2(src, tmp)
+        os.rename(tmp, dest)
+        os.unlink(src)
+
+
+def _renamed(src: Path, dest: Path) -> bool:
+    """Rename ``src`` to ``dest``: True when done, False across file systems (``EXDEV``)."""
+    try:
+        os.rename(src, dest)
+        return True
+    except OSError as err:
+        if err.errno == errno.EXDEV:
+            return False
+        raise GuardIOError(f"move the checkpoint {src} aside to", dest, err) from err
+
+
+def local_dir(checkpoint_dir: Path, run_dir: Path, dest: Path) -> Path:
+    """Where :func:`move_aside` renames a folder whose ``dest`` is on another file system."""
+    return checkpoint_dir / LOCAL / run_dir.name / dest.name
+
+
+# -- the dataloader position (--skip-batches) -------------------------------------------------------
+def skipped_data_state(folder: Path, n: int, batch_size: Optional[int] = None) -> dict:
+    """verl's dataloader state of the checkpoint ``folder`` (``data.pt``, a torchdata
+    ``StatefulDataLoader`` state; its kept original ``data.lrstab-orig.pt`` when there is one)
+    moved ``n`` batches on. Raises :class:`GuardError` naming the file and the key when it cannot
+    be (read before anything moves). A batch is sized by the state's own counts, else by
+    ``batch_size`` (verl's ``data.gen_batch_size`` or ``data.train_batch_size``)."""
+    import torch
+
+    orig = folder / "data.lrstab-orig.pt"
+    source = orig if orig.exists() else folder / "data.pt"
+    try:
+        state = torch.load(source, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - a damaged pickle raises anything
+        raise GuardError(f"--skip-batches: cannot read {source} ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict):
+        raise GuardError(f"--skip-batches: {source} is not a dataloader state (a mapping expected, got "
+                         f"{type(state).__name__})")
+    yielded = state.get("_sampler_iter_yielded") or state.get("_num_yielded") or 0
+    inner = state.get("_sampler_iter_state")
+    if isinstance(inner, dict) and "samples_yielded" in inner:
+        per_batch = inner["samples_yielded"] // yielded if isinstance(yielded, int) and yielded > 0 else batch_size
+        if not isinstance(per_batch, int) or per_batch <= 0:
+            raise GuardError(f"--skip-batches: {source} has no batch yielded (key _num_yielded = {yielded!r}) to size "
+                             "a batch by, and the run's data.train_batch_size is unknown; run with --skip-batches 0")
+        inner["samples_yielded"] += n * per_batch
+    for key in ("_num_yielded", "_sampler_iter_yielded"):
+        if state.get(key) is not None:
+            if not isinstance(state[key], int):
+                raise GuardError(f"--skip-batches: {source}: the key {key} is {state[key]!r}, expected an integer")
+            state[key] += n
+    return state
+
+
+def skip_batches(folder: Path, n: int, batch_size: Optional[int] = None) -> None:
+    """Move the checkpoint ``folder``'s dataloader ``n`` batches on (:func:`skipped_data_state`),
+    keeping the original as ``data.lrstab-orig.pt``; each call starts from that original."""
+    import torch
+
+    data, orig = folder / "data.pt", folder / "data.lrstab-orig.pt"
+    state = skipped_data_state(folder, n, batch_size)
+    if not orig.exists():
+        tmp = folder / ".data.lrstab-orig.pt.lrstab-tmp"
+        shutil.copy2(data, tmp)
+        os.replace(tmp, orig)
+    tmp = folder / ".data.pt.lrstab-tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, data)
+
+
+# -- the journal --------------------------------------------------------------------------------------
+def _move_all(checkpoint_dir: Path, dest: Path, local: Path, progress: Progress, after: int = -1) -> None:
+    """:func:`move_aside` each ``global_step_N`` with N > ``after``, oldest first."""
+    for s in [s for s in step_folders(checkpoint_dir) if s > after]:
+        name = f"global_step_{s}"
+        with io_step("make the folder", dest):
+            dest.mkdir(parents=True, exist_ok=True)
+        where = move_aside(checkpoint_dir / name, dest / name, local / name)
+        progress.moved.append((name, str(where)))
+        if name in progress.left:
+            progress.left.remove(name)
+
+
+def carry_out(checkpoint_dir: Path, pending: dict, progress: Progress, contents=("model", "optimizer", "extra"),
+              local: Optional[Path] = None, batch_size: Optional[int] = None) -> None:
+    """Make the moves of ``pending`` in the order of the module docstring, recording them in ``progress``.
+
+    Args:
+        checkpoint_dir: verl's ``trainer.default_local_dir``.
+        pending: the journal entry: ``checkpoint_step`` (S), ``dest`` (the folder the abandoned
+            checkpoints go to), ``segment`` (the abandoned metrics file, or None), ``skip_batches``.
+        progress: filled in as the moves are made.
+        contents: the saved contents that make S complete (:func:`~.plan.checkpoint_complete`).
+        local: where a folder goes when ``dest`` is on another file system (default
+            ``<checkpoint_dir>/lrstab_abandoned/<dest's name>``).
+        batch_size: sizes a batch for ``--skip-batches`` when ``data.pt`` cannot.
+    """
+    scratch = bool(pending.get("scratch"))
+    step, dest = (-1 if scratch else pending["checkpoint_step"]), Path(pending["dest"])
+    kept = checkpoint_dir / f"global_step_{step}"
+    progress.tracker_before = read_tracker(checkpoint_dir)
+    progress.left = [f"global_step_{s}" for s in step_folders(checkpoint_dir) if s > step]
+    if scratch:  # --from-scratch, or nothing complete to keep: every folder aside, then the tracker
+        _move_all(checkpoint_dir, dest, local or checkpoint_dir / LOCAL / dest.name, progress)
+        tracker = checkpoint_dir / TRACKER
+        if tracker.exists():
+            with io_step("move verl's tracker aside to", dest / TRACKER):
+                dest.mkdir(parents=True, exist_ok=True)
+                _move_file(tracker, dest / TRACKER)
+        progress.tracker_written = True
+        return
+    # complete as a folder (the tracker may name it already: a journal being redone)
+    if not checkpoint_complete(kept, contents, check_tracker=False):
+        raise GuardError(f"the checkpoint to resume from, {kept}, is {'incomplete' if kept.exists() else 'missing'} "
+                         f"(is {checkpoint_dir} the folder the run saved to, and all of it mounted?); nothing was "
+                         "moved. Bring it back, then continue with --resume")
+    with io_step("rewrite verl's tracker", checkpoint_dir / TRACKER):
+        write_tracker(checkpoint_dir, step)
+    progress.tracker_written = True
+    with io_step("make the folder", dest):
+        dest.mkdir(parents=True, exist_ok=True)
+    if pending.get("segment"):  # a rollback: the abandoned segment's metrics and log go with its checkpoints
+        seg, moved = Path(pending["segment"]), dest / "metrics.jsonl"
+        with io_step("move the abandoned segment's metrics to", moved):
+            if seg.exists():
+                _move_file(seg, moved)
+            elif not moved.exists():
+                moved.write_text("")
+        log = seg.with_suffix(".log")
+        if log.exists() and not (dest / "verl.log").exists():
+            with io_step("copy verl's log to", dest / "verl.log"):
+                write_atomic(dest / "verl.log", log.read_text(errors="replace"))
+    _move_all(checkpoint_dir, dest, local or checkpoint_dir / LOCAL / dest.name, progress, after=step)
+    if pending.get("skip_batches"):
+        with io_step("move the dataloader position in", kept / "data.pt"):
+            skip_batches(kept, pending["skip_batches"], batch_size)
+        progress.data_moved = True
