@@ -157,6 +157,24 @@ def test_a_surge_has_its_onset_where_the_length_left_its_baseline(seed):
     assert tr.onset - 3 <= t.onset <= t.step and t.onset <= tr.onset + 3, (t, tr.onset)
 
 
+def test_in_a_multi_turn_log_the_guard_reads_the_models_own_tokens_as_the_trainer_does():
+    (tr,) = phenomena.traces(seeds=[0], classes="A")
+    surge = tr.length.tolist()
+    flat = [surge[0]] * len(surge)
+    tool = [40.0] * len(surge)  # every response also holds 40 tokens of tool output
+    # the model's tokens surge under a constant tool share: a surge whatever the length read
+    recs = records_of(**{"response_length/mean": [m + t for m, t in zip(surge, tool)],
+                         "actor/lrstab/model_tokens": surge, "critic/score/mean": tr.score.tolist()})
+    assert find_trouble(recs, GuardOptions(on_reward_crash=False), LengthSurgeConfig()).reason == "surge"
+    # the tool's answers grow with the same shape while the model's tokens stay flat: no surge ...
+    recs = records_of(**{"response_length/mean": [f + s for f, s in zip(flat, surge)],
+                         "actor/lrstab/model_tokens": flat, "critic/score/mean": tr.score.tolist()})
+    assert find_trouble(recs, GuardOptions(on_reward_crash=False), LengthSurgeConfig()) is None
+    # ... where verl's full length, read as it was before, would be one
+    verl_only = LengthSurgeConfig.from_dict({"length_tokens": "all"})
+    assert find_trouble(recs, GuardOptions(on_reward_crash=False), verl_only).reason == "surge"
+
+
 def test_healthy_runs_are_no_trouble():
     for tr in phenomena.traces(seeds=range(2), classes="CEH"):
         recs = records_of(**{"response_length/mean": tr.length.tolist(), "critic/score/mean": tr.score.tolist(),

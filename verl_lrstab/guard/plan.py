@@ -22,6 +22,7 @@ from verl_lrstab.config_checks import config_value
 from verl_lrstab.guard.files import write_atomic
 from verl_lrstab.reward_crash import reward_crash
 from verl_lrstab.reward_crash import score_floor as _floor
+from verl_lrstab.runs import MissingMetricError, length_column
 from verl_lrstab.schedule import decay_period_from_surge, num_decays, replay
 
 logger = logging.getLogger("verl_lrstab")
@@ -397,8 +398,13 @@ def _reward_crash(df: pd.DataFrame, fraction: float, after: int) -> Optional[Tro
 
 
 def _surge(df: pd.DataFrame, config: LengthSurgeConfig) -> Optional[tuple[int, int]]:
-    """``(surge step, onset)`` of the detector on the logged trajectory, or None."""
-    length = _series(df, LENGTH)
+    """``(surge step, onset)`` of the detector on the logged trajectory, or None. The length is the one the
+    trainer's detector reads (``length_tokens``: the model's own tokens where tools wrote part of a response)."""
+    try:
+        column, _ = length_column(df, None, config.length_tokens, (LENGTH,))
+    except MissingMetricError:
+        return None
+    length = _series(df, column)
     if length.dropna().empty:
         return None
     cols = {}
