@@ -9,8 +9,9 @@ TORCH   ?= torch==2.13.0
 # verl 0.9.1's main_ppo imports these at run time without declaring them (README.md, "Install");
 # the verl[...] extras would replace the CPU torch, so they are not used.
 VERL    ?= verl==0.9.1 cachetools fastapi uvicorn TransferQueue==0.1.11
-# What the tests and the demos use beside the product (not in the package's metadata).
-TEST_DEPS ?= pytest>=7 pytest-timeout pytest-xdist matplotlib tensorboard psutil build twine
+# What the tests and the demos use beside the product (not in the package's metadata). packaging stays
+# below 26 as verl's tensordict (pyvers) asks: the newest twine would otherwise lift it.
+TEST_DEPS ?= 'pytest>=7' pytest-timeout pytest-xdist matplotlib tensorboard psutil build twine 'packaging<26'
 # verl's Megatron engine (docs/megatron.md): megatron-core 0.16.1 is the newest for Python 3.11
 # (it changes no torch/transformers/numpy pin); the 0.19 line needs Python 3.12 (test-megatron312).
 # mbridge (+ einops, undeclared): verl's vanilla bridge, for the worker test (megatron-bridge 0.5.2,
