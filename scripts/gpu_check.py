@@ -85,8 +85,8 @@ def _glue_figures(data, group, cap: int) -> dict:
     from verl_lrstab import mismatch
     from verl_lrstab.glue import signals
 
-    length, score, stats, _ = signals.measure_batch(data, group, cap=cap)
-    figures = mismatch.finalize(stats)
+    batch = signals.measure_batch(data, group, cap=cap)
+    length, score, figures = batch.length, batch.score, mismatch.finalize(batch.mismatch)
     out = {"length/sum": None, "length/count": None, "length/at_cap": None, "score/sum": None, "score/count": None}
     if length is not None:
         out.update(zip(("length/sum", "length/count", "length/at_cap"), length))

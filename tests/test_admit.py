@@ -133,8 +133,8 @@ def test_the_distribution_figure_draws_every_candidate_with_a_tail(tmp_path):
     assert plot_tails(reports[2:], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
 
 
-def test_the_readmes_gpu_example_composes_in_verls_config():
-    """Every candidate of the README's copy-paste example is a valid verl override set (composed, not run)."""
+def test_the_manuals_gpu_example_composes_in_verls_config():
+    """Every candidate of docs/admit.md's copy-paste example is a valid verl override set (composed, not run)."""
     import re
     import shlex
     from pathlib import Path
@@ -142,8 +142,8 @@ def test_the_readmes_gpu_example_composes_in_verls_config():
     from verl_lrstab.admit_runner import NO_UPDATE, QUIET, parse_candidate
     from verl_lrstab.guard.supervisor import compose_config, split_command
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "--ray-address auto \\" in b)
+    manual = (Path(__file__).resolve().parents[1] / "docs" / "admit.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", manual, re.S) if "--ray-address auto \\" in b)
     argv = shlex.split(block.replace("\\\n", " "))
     cut = argv.index("--")
     launcher, base = split_command(argv[cut + 1:])
