@@ -53,9 +53,9 @@ from verl_lrstab.runs import load_run, metric_series, replay_with_cosignals  # n
 from verl_lrstab.schedule import decay_period_from_surge, num_decays, replay  # noqa: E402
 
 SEEDS = range(40)
-HEALTHY = "CDEFHLMNPQ"  # the classes that must never fire
-SURGES = "ABIJKO"  # the classes with a crash a detection must come before
-COSIGNAL_SURGES = "IJKO"  # the surges that carry verl's co-signals
+HEALTHY = "CDEFHLMNPQRS"  # the classes that must never fire
+SURGES = "ABIJKOT"  # the classes with a crash a detection must come before
+COSIGNAL_SURGES = "IJKOT"  # the surges that carry verl's co-signals
 # Real traces: (class, onset, crash, length column, score column, clip column), from their # lines:
 # onset = the first logged step at >= 1.5x the first logged value; crash = the collapse step.
 REAL = {
@@ -187,17 +187,18 @@ def outcome(run: dict, fired: int | None) -> str:
         return "miss" if run["expect"] == "fire" else "-"
     if fired < run["onset"]:
         return "early"
-    if run["cls"] in "AIJKO":
+    if run["cls"] in "AIJKOT":
         return "hit" if fired < run["crash"] else "late"
     if run["cls"] == "B":
         return "hit" if fired <= run["rise_end"] else "late"
     return "hit"
 
 
-def score_all(runs: list[dict], desc: str) -> None:
+def score_all(runs: list[dict], desc: str, rules=None) -> None:
     logging.getLogger("verl_lrstab").setLevel(logging.ERROR)  # one line per detection otherwise
+    rules = {n: RULES[n] for n in (rules or RULES)}
     for run in tqdm(runs, desc=desc, disable=None, leave=False):
-        run["fired"] = {name: rule(run) for name, rule in RULES.items()}
+        run["fired"] = {name: rule(run) for name, rule in rules.items()}
 
 
 def _lead(run, name):
@@ -265,10 +266,25 @@ def summary_forms(groups: dict[str, list[dict]], rule: str = "cusum") -> str:
     for c in COSIGNAL_SURGES:
         row(f"{c}: detected before the crash", lambda runs, c=c: hit(runs, c))
         row(f"{c}: lead, median / min", lambda runs, c=c: lead(runs, c))
+    row("T: steps after the length alone, max (<= 2 asked)", lambda runs: _after_length_alone(runs, rule))
     for c in HEALTHY:
         row(f"{c}: false alarms", lambda runs, c=c: f"{sum(r['fired'][rule] is not None for r in of(runs, c))} / "
                                                    f"{len(of(runs, c))}")
     return "\n".join(lines)
+
+
+def _after_length_alone(runs: list[dict], rule: str = "cusum") -> str:
+    """T (the surge twin of a two-step excursion): the most steps ``rule`` fires after ``cusum, length only``
+    where that fires at or after the onset (a run it misses while the length alone fires counts as ``miss``)."""
+    gaps = []
+    for r in runs:
+        # where the length alone fires before the onset (on the drift), it is no reference
+        if r["cls"] != "T" or (r["fired"].get("cusum, length only") or 0) < r["onset"]:
+            continue
+        if r["fired"][rule] is None:
+            return "miss"
+        gaps.append(r["fired"][rule] - r["fired"]["cusum, length only"])
+    return f"{max(gaps):+d}" if gaps else "-"
 
 
 def summary_references(groups: dict[str, list[dict]]) -> str:

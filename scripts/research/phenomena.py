@@ -53,6 +53,18 @@ Two more shapes of hidden real runs and their twins (O and Q carry the mismatch 
   in the same step, both back the next step.
 - **Q** (healthy) a slow drift (1.3-1.7x over 20-40 steps) with a flat k3.
 
+Two healthy shapes of small-batch GRPO runs logged every step, and the surge twin of the second:
+
+- **R** (healthy) a very noisy length at its baseline (15-25 % a step, no trend), a noisy entropy
+  (15-25 % a step, no trend), the score rising slowly and the KL loss to the reference growing
+  steadily from the start (4-8x over 25-40 steps, single steps 1.4-1.8x above its trend).
+- **S** (healthy) a slow drift (1.2-1.4x over 20-25 steps), then a **two-step excursion**: +20-30 %
+  over the step before, the next step 8-15 % above that pre-excursion step, the third back below it;
+  the batch accuracy (noise about 0.1) dips 0.15-0.25 on the first excursion step, half that on the
+  second, and recovers on the third.
+- **T** the surge twin of S: the same start, but the length keeps rising for 5 more steps (to
+  1.8-2.2x the pre-excursion step) and the accuracy keeps falling (below 0.5 within 4-7 steps).
+
 :func:`sparse_score` turns any run's score column into the forms real logs have: every k-th row
 only (NaN elsewhere), the same forward-filled, or absent.
 
@@ -76,9 +88,9 @@ LENGTH, SCORE, K3, CLIP = ("response_length/mean", "critic/score/mean", "actor/m
 # The figures verl logs on every step that the detector reads: classes I-Q carry them.
 ENTROPY, GRAD_NORM, KL_LOSS, PG_CLIPFRAC = "actor/entropy", "actor/grad_norm", "actor/kl_loss", "actor/pg_clipfrac"
 COSIGNALS = (ENTROPY, GRAD_NORM, KL_LOSS, PG_CLIPFRAC)
-CLASSES = "ABCDEFGHIJKLMNOPQ"
+CLASSES = "ABCDEFGHIJKLMNOPQRST"
 #: the classes that carry verl's co-signals
-COSIGNAL_CLASSES = "IJKLMNOPQ"
+COSIGNAL_CLASSES = "IJKLMNOPQRST"
 SEEDS = range(8)
 OUT = Path(__file__).resolve().parent / "traces" / "classes"
 
@@ -540,6 +552,74 @@ def class_q(rng, name) -> Trace:
                       k3=_noisy_k3(rng, np.full(n, 5e-4 * rng.uniform(0.5, 2))), batch=int(rng.integers(64, 129)))
 
 
+def class_r(rng, name) -> Trace:
+    """Healthy: a small-batch run whose length is very noisy at its baseline (no trend), whose entropy is
+    noisy too, whose score rises slowly, and whose KL loss to the reference grows steadily from the
+    start (as in any run with a KL term), with single steps well above its trend."""
+    plateau, cv, n = rng.uniform(80, 300), rng.uniform(0.15, 0.25), int(rng.integers(60, 151))
+    t = np.arange(1, n + 1)
+    level = np.full(n, plateau)
+    cap = plateau * rng.uniform(4, 8)
+    a0 = rng.uniform(0.5, 0.65)
+    acc = a0 + rng.uniform(0.05, 0.1) * np.minimum(t / 30, 3)
+    grow, over = rng.uniform(4, 8), int(rng.integers(25, 41))
+    kl = _interp_log(t, [(1, 1.0), (over, grow), (max(n, over + 1), grow * rng.uniform(1.3, 2.0))])
+    jumps = np.where(rng.random(n) < 0.08, rng.uniform(1.4, 1.8, n), 1.0)
+    co = _cosignals(rng, t, kl=kl * jumps)
+    co[ENTROPY] = _lognoise(rng, np.full(n, rng.uniform(0.35, 0.55)), rng.uniform(0.15, 0.25))
+    return _new_trace(rng, name, "R", "no_fire", f"R: {plateau:.0f} tokens, noise {cv:.0%}, KL loss x{grow:.1f} over "
+                      f"{over} steps, accuracy {a0:.2f} rising", level, cv, cap, acc, co,
+                      batch=int(rng.integers(64, 129)))
+
+
+def _two_step_excursion(rng, name, cls, expect) -> Trace:
+    """A slow drift, then a two-step excursion (S: healthy) or its start followed by a surge (T)."""
+    plateau, cv = rng.uniform(200, 600), rng.uniform(0.04, 0.07)
+    d0, drift = int(rng.integers(15, 41)), rng.uniform(1.2, 1.4)
+    at = d0 + int(rng.integers(20, 26)) + int(rng.integers(0, 6))  # the first excursion step
+    up1, up2 = rng.uniform(1.2, 1.3), rng.uniform(1.08, 1.15)
+    n = at + int(rng.integers(40, 101))
+    t = np.arange(1, n + 1)
+    level = plateau * _interp_log(t, [(d0, 1.0), (at - 3, drift)])
+    pre = level[at - 2]  # the pre-excursion step's level
+    acc0, noise_batch = rng.uniform(0.7, 0.8), int(rng.integers(32, 97))
+    acc = np.interp(t, [1, 20, n], [acc0 - 0.1, acc0, acc0 + rng.uniform(0, 0.03)])
+    dip = rng.uniform(0.15, 0.25)
+    if cls == "S":
+        level[at - 1], level[at], level[at + 1] = pre * up1, pre * up2, pre * rng.uniform(0.9, 0.98)
+        acc = acc.copy()
+        acc[at - 1] -= dip
+        acc[at] -= dip / 2
+        doc = f"S: drift x{drift:.2f}, two-step excursion +{up1 - 1:.0%}, +{up2 - 1:.0%} at {at}, score dip {dip:.2f}"
+        onset = None
+    else:
+        top, fall = rng.uniform(1.8, 2.2), int(rng.integers(4, 8))
+        rise = pre * _interp_log(t, [(at - 1, 1.0), (at, up1), (at + 1, max(up1, up2) * 1.02), (at + 6, top)])
+        level = np.where(t >= at, rise, level)
+        dip = min(dip, acc0 - 0.55)  # the crash (accuracy below 0.5) comes as the length keeps rising
+        acc = np.where(t >= at, np.interp(t, [at - 1, at, at + 1, at + fall, n], [acc0, acc0 - dip, acc0 - dip * 1.1,
+                                                                                 0.45, 0.1]), acc)
+        doc = f"T: drift x{drift:.2f}, +{up1 - 1:.0%} at {at} then on to x{top:.2f} by {at + 6}, accuracy < 0.5 by +{fall}"
+        onset = at
+    cap = plateau * drift * rng.uniform(3, 4)
+    co = _cosignals(rng, t)
+    tr = _new_trace(rng, name, cls, expect, doc, level, cv, cap, acc, co, batch=noise_batch, onset=onset)
+    # the excursion's first step is its size over the (noisy) step before; S's next two steps too
+    last = at + 2 if cls == "S" else at
+    tr.length[at - 1:last] = np.round(level[at - 1:last] * tr.length[at - 2] / pre, 1)
+    return tr
+
+
+def class_s(rng, name) -> Trace:
+    """Healthy: a slow drift, then a two-step excursion whose first step's batch accuracy dips 2-3 noise units."""
+    return _two_step_excursion(rng, name, "S", "no_fire")
+
+
+def class_t(rng, name) -> Trace:
+    """S's surge twin: the same start, then the length keeps rising 5 more steps and the accuracy keeps falling."""
+    return _two_step_excursion(rng, name, "T", "fire")
+
+
 SCORE_FORMS = ("dense", "every", "filled", "none")
 
 
@@ -579,7 +659,8 @@ def traces(seeds=SEEDS, classes=CLASSES) -> list[Trace]:
                 rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
                 make = {"A": class_a, "B": class_b, "C": class_c, "D": class_d, "E": class_e, "G": class_g,
                         "H": class_h, "I": class_i, "J": class_j, "K": class_k, "L": class_l, "M": class_m,
-                        "N": class_n, "O": class_o, "P": class_p, "Q": class_q}
+                        "N": class_n, "O": class_o, "P": class_p, "Q": class_q, "R": class_r,
+                        "S": class_s, "T": class_t}
                 out.append(class_f(rng, name, v) if cls == "F" else make[cls](rng, name))
     return out
 
