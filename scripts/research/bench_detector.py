@@ -393,7 +393,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--real", type=Path, default=ROOT.parent / "shared" / "traces")
     parser.add_argument("--seeds", type=int, default=len(SEEDS), help=f"seeds per class (default {len(SEEDS)})")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "detector_benchmark.md")
+    parser.add_argument("--out", type=lambda text: Path(text) if text else None, default=ROOT / "docs" / "detector_benchmark.md",
+                        help="the report to write ('': print only)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the cusum rules, e.g. cusum_score_z=3.0 (repeatable; implies --out '')")
     parser.add_argument("--classes", default=phenomena.CLASSES, help="classes to run, e.g. OPQ (default: all)")
