@@ -372,7 +372,7 @@ def test_the_update_figures_are_identical_on_every_rank_of_a_real_gloo_group(tmp
 
 
 def test_real_pilot_4_fed_verls_own_columns_is_no_surge():
-    """Real-model pilot 4 (docs/detector.md, "The real logs decide as before"): fed verl's own
+    """Real-model pilot 4 (docs/reproductions.md): fed verl's own
     ``actor/grad_norm`` and ``actor/pg_clipfrac`` (0 on every step whose rewards are all 0: repeats, no new
     observation), its length jumps back at step 145 while the last two observations are a spike and a zero
     from steps 140-141. A rebound is confirmed by co-signals risen with the return, not by values held from

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Seeded synthetic runs of the surge phenomena (classes A-Q), with co-signal columns.
+"""Seeded synthetic runs of the surge phenomena (classes A-T), with co-signal columns.
 
 Each run is one row per step with the figures verl logs: ``response_length/mean``,
 ``critic/score/mean`` (batch accuracy), ``actor/mismatch/k3`` and ``response_length/clip_ratio``.
