@@ -175,30 +175,11 @@ def test_processes_of_a_launch_whose_watchdog_was_killed_are_stopped_before_the_
     assert restart["returncode"] == -signal.SIGKILL
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    mounts = []
-
-    def mount(name, size="2m"):
-        folder = tmp_path / name
-        folder.mkdir()
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            pytest.skip(f"needs a tmpfs (mount -t tmpfs, as root): {res.stderr.strip()}")
-        mounts.append(folder)
-        return folder
-
-    yield mount
-    for folder in reversed(mounts):
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
-
-
-def test_abandoned_checkpoints_stay_on_their_file_system_when_the_run_folder_is_on_another(tmp_path, tmpfs):
+def test_abandoned_checkpoints_stay_on_their_file_system_when_the_run_folder_is_on_another(tmp_path, small_fs):
     # the run folder on a 2 MB tmpfs, the checkpoints on the test's disk: a rename across them is EXDEV
     # (saved every 2 steps: global_step_10 is written before step 11's NaN is logged, so it is always there)
     run = Run(tmp_path, {"nan_at": {"1": [10, 11]}, "hang_at": {"1": 16}, "pad_checkpoints": 3 * 2**20},
-              steps=20, save_freq=2, run_dir=tmpfs("runfs") / "guard")
+              steps=20, save_freq=2, run_dir=small_fs("runfs") / "guard")
     res = run.guard()
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     (moved,) = run.events("set_aside")

@@ -340,27 +340,6 @@ def test_remote_checkpoints_are_refused_with_a_message(tmp_path):
 
 
 # -- (4) the guard's own faults: a full or read-only disk, a second guard, a damaged state ----------
-@pytest.fixture
-def small_fs(tmp_path):
-    """``small_fs(name)``: a 2 MB tmpfs mounted at ``tmp_path/name`` (a real file system that fills up
-    or turns read-only; needs root, as CI runs)."""
-    mounts = []
-
-    def mount(name, size="2m"):
-        folder = tmp_path / name
-        folder.mkdir()
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            pytest.skip(f"needs a small tmpfs (mount -t tmpfs, as root): {res.stderr.strip()}")
-        mounts.append(folder)
-        return folder
-
-    yield mount
-    for folder in reversed(mounts):
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
-
-
 def free(folder: Path):
     for f in folder.glob("filler-*.bin"):
         f.unlink()
