@@ -10,7 +10,7 @@ from dataclasses import fields
 import yaml
 
 from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig
-from verl_lrstab.runs import MissingMetricError, RunError, find_metric
+from verl_lrstab.runs import RunError
 from verl_lrstab.schedule import ReplayResult
 
 # Metric names as verl (and the peers whose exports people compare against) log them.
@@ -21,7 +21,8 @@ KL_METRICS = ("mismatch/k3", "actor/mismatch/k3", "mismatch/k1", "actor/mismatch
 SCORE_METRICS = ("critic/score/mean", "critic/rewards/mean", "reward", "train/reward")
 CLIP_METRICS = ("response_length/clip_ratio", "completions/clipped_ratio", "completions_clipped_ratio")
 RUN_HELP = "verl file-logger JSONL, TensorBoard log directory, or CSV with a step column"
-METRIC_HELP = f"the response-length metric (default: first of {list(LENGTH_METRICS)})"
+METRIC_HELP = (f"the response-length metric (default: as --length-tokens says, the model-token column where the "
+               f"log shows tool output, else the first of {list(LENGTH_METRICS)})")
 EXIT_ERROR, EXIT_NO_SURGE = 1, 3
 # Set by ``lrstab guard`` on each relaunch, not by a user: accepted (a guarded run replays), not listed in --help.
 GUARD_ONLY = ("decay_from_step", "guard_rollbacks")
@@ -91,16 +92,6 @@ def scheduler_config(args: argparse.Namespace) -> LengthSurgeConfig:
 
 
 # -- small helpers --------------------------------------------------------------------------------
-def length_metric(df, name: str | None) -> str:
-    """``name``, else the first of LENGTH_METRICS the run logs."""
-    if name:
-        return name
-    found = find_metric(df, LENGTH_METRICS)
-    if found is None:
-        raise MissingMetricError(LENGTH_METRICS, df.columns, df.attrs.get("source", "run"))
-    return found
-
-
 def plots_module():
     try:
         from verl_lrstab import plots
