@@ -163,6 +163,8 @@ def test_processes_of_a_launch_whose_watchdog_was_killed_are_stopped_before_the_
     pids_file = tmp_path / "pids.txt"
     assert wait_for(lambda: pids_file.exists() and len(pids_file.read_text().split()) == 2)
     driver, daemon = (int(p) for p in pids_file.read_text().split())
+    # launch 1 hangs after step 5, past its step-4 checkpoint: a restart needs a complete checkpoint
+    assert wait_for(lambda: 5 in read_metrics(run.run_dir / "segment-1.jsonl"))
     watchdog = int(Path(f"/proc/{driver}/stat").read_text().rsplit(")", 1)[1].split()[1])
     assert "verl_lrstab.guard.watchdog" in Path(f"/proc/{watchdog}/cmdline").read_text()
     (tmp_path / "script.json").write_text(json.dumps({"daemon": True}))  # the relaunch finishes
