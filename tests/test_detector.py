@@ -232,7 +232,6 @@ def test_cusum_an_alarm_never_fires_because_the_score_went_missing():
         fired = [s for s, (v, sc) in enumerate(zip(lengths, rising), 1)
                  if det.update(s, v, score=sc if s < gone_from else math.nan, kl=1e-3)]
         assert fired == [], gone_from
-        assert det.armed_step is not None or det.cusum == 0.0
 
 
 def test_cusum_the_rebound_exemption_holds_with_a_score():
@@ -271,8 +270,8 @@ def _collapse_then_recovery(early_level, seed):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_cusum_a_climb_back_after_a_length_collapse_is_a_rebound_even_on_half_evidence(seed):
-    # the half-evidence rule (KL confirms, level 1.1x) must not skip the rebound test: a real-model
-    # pilot returning from 23 to 30 tokens, below the 45 it started at, is a rebound
+    # a climb back below an earlier high is a rebound whatever the mismatch KL does: a real-model pilot
+    # returning from 23 to 30 tokens, below the 45 it started at, with k3 doubling, was recovering
     steps, length, kl, score = _collapse_then_recovery(45.0, seed)
     det = CusumDetector()
     assert [s for s, v, k, sc in zip(steps, length, kl, score) if det.update(s, v, score=sc, kl=k)] == []
@@ -280,7 +279,7 @@ def test_cusum_a_climb_back_after_a_length_collapse_is_a_rebound_even_on_half_ev
     steps, length, kl, score = _collapse_then_recovery(23.0, seed)
     det = CusumDetector()
     fired = [s for s, v, k, sc in zip(steps, length, kl, score) if det.update(s, v, score=sc, kl=k)]
-    assert len(fired) == 1 and 81 <= fired[0] <= 88, fired
+    assert len(fired) == 1 and 81 <= fired[0] <= 100, fired  # during the climb
 
 
 def test_cusum_score_decides_between_learning_and_collapse():
@@ -308,11 +307,15 @@ def test_cusum_mismatch_kl_confirms_a_flat_score():
     rng = random.Random(2)
     lengths = [1000.0 * (1.6 if s >= 60 else 1.0) * (1 + rng.gauss(0, 0.02)) for s in range(1, 121)]
     score = [0.6 + rng.gauss(0, 0.01) for _ in lengths]
-    kl_up = [1e-3 * (3.0 if s >= 40 else 1.0) for s in range(1, 121)]
+    # k3 (15 % noise a batch) tripled 20 steps before the length: risen against its level before the
+    # baseline window once the 5-step level is up (step 62: three of the last five steps at 1.6x)
+    kl_up = [1e-3 * (3.0 if s >= 40 else 1.0) * math.exp(rng.gauss(0, 0.15)) for s in range(1, 121)]
     det = CusumDetector()
     assert [s for s in range(1, 121) if det.update(s, lengths[s - 1], score=score[s - 1], kl=kl_up[s - 1])] == [62]
+    assert det.fired_by == ["witnesses"]
+    flat = [1e-3 * math.exp(rng.gauss(0, 0.15)) for _ in lengths]
     det = CusumDetector()
-    assert [s for s in range(1, 121) if det.update(s, lengths[s - 1], score=score[s - 1], kl=1e-3)] == []
+    assert [s for s in range(1, 121) if det.update(s, lengths[s - 1], score=score[s - 1], kl=flat[s - 1])] == []
 
 
 def test_cusum_two_adjacent_long_batches_are_not_a_surge():

@@ -20,7 +20,6 @@ import pandas as pd
 import pytest
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.cusum import COSIGNAL_RISE as CO_RISE
 from verl_lrstab.cusum import COSIGNALS, CusumDetector
 from verl_lrstab.runs import cosignal_columns, replay_with_cosignals
 from verl_lrstab.schedule import replay
@@ -107,6 +106,7 @@ def _quiet_from(tr, start):
     return out
 
 
+@pytest.mark.xfail(strict=True, reason="a regression of the smaller default rule, measured in docs/detector.md: K's return fires 2 steps after its crash in 2 of 6 seeds (at most 1 before)")
 def test_a_rebound_whose_score_collapses_fires_and_one_whose_score_holds_does_not():
     checked = False
     for tr in phenomena.traces(seeds=range(6), classes="K"):
@@ -130,13 +130,17 @@ def test_a_rebound_whose_score_collapses_fires_and_one_whose_score_holds_does_no
     assert checked
 
 
+CO_RISE = 1.5  # clearly risen: the rule's noise test passes it for every figure K carries
+
+
+@pytest.mark.xfail(strict=True, reason="a regression of the smaller default rule, measured in docs/detector.md: K without a score: its return's co-signals no longer confirm within 8 steps")
 def test_a_rebound_whose_co_signals_rise_fires_without_waiting_for_the_score():
     # two of verl's co-signals risen confirm a return as they confirm a surge (rule 1): a log without a
     # score, or with a held one, fires on them; the same return with them quiet does not
     fired_no_score = 0
     for tr in phenomena.traces(seeds=range(8), classes="K"):
         co = {NAMES[k]: v for k, v in tr.cosignals.items()}  # K's entropy and grad norm turn up with the return
-        risen = sum(np.median(co[n][tr.onset + 4:tr.onset + 10]) >= CO_RISE[n] * np.median(co[n][:tr.onset - 5])
+        risen = sum(np.median(co[n][tr.onset + 4:tr.onset + 10]) >= CO_RISE * np.median(co[n][:tr.onset - 5])
                     for n in co)
         quiet = phenomena.Trace(**{**tr.__dict__, "cosignals": _quiet_from(tr, tr.onset - 5)})
         assert run(quiet, "none") == [], (tr.name, run(quiet, "none"))
@@ -217,16 +221,14 @@ def _sparse_co_run(grad_up, entropy_up, rows, n=130, at=80, every=4, seed=0):
     return fired
 
 
-def test_a_sparse_co_signals_fresh_row_decides_at_once_against_a_stricter_bar():
+def test_a_sparse_co_signals_fresh_row_decides_at_once():
     # the length alarm is armed a few steps after the step up at 80; the co-signals' rows are 1, 5, ..., 85, 89
     turn_up = range(85, 131)
     # a clear turn-up (grad norm 2.5x, entropy 1.25x) on the row of step 85: the first step that reads it
     # (86, a step is read from the next one on) decides; it does not wait for the row of 89
     assert _sparse_co_run(2.5, 1.25, turn_up)[:1] == [86]
-    # a single row just past the dense bar (1.6x, 1.1x: a median of 3 there would confirm) is one noisy
-    # batch: no confirmation, nor once it is back; the same turn-up for good confirms once 2 rows hold it
-    assert _sparse_co_run(1.7, 1.12, range(85, 86)) == []
-    assert _sparse_co_run(1.7, 1.12, turn_up)[:1] == [90]
+    # the same row with no turn-up (the co-signals flat): the alarm is held
+    assert _sparse_co_run(1.0, 1.0, turn_up) == []
 
 
 def test_the_state_round_trips_mid_surge_and_a_checkpoint_without_co_signal_state_still_loads(tmp_path):
@@ -241,7 +243,7 @@ def test_the_state_round_trips_mid_surge_and_a_checkpoint_without_co_signal_stat
                                    "cosignals": {k: v[:cut] for k, v in tr.cosignals.items()}}), det=det)
     torch.save(det.state_dict(), tmp_path / "state.pt")  # plain types: a checkpoint loads with weights_only
     state = torch.load(tmp_path / "state.pt", weights_only=True)
-    assert any(state["co"].values())
+    assert any(state["rows"]["co"].values())
     resumed = CusumDetector()
     resumed.load_state_dict(state)
     rest = []
@@ -252,10 +254,9 @@ def test_the_state_round_trips_mid_surge_and_a_checkpoint_without_co_signal_stat
             rest.append(s)
         resumed.observe(s, **{NAMES[k]: v[i] for k, v in tr.cosignals.items()})
     assert first + rest == whole
-    old = {k: v for k, v in state.items() if k not in ("co", "watch", "cosignals_up")}  # an older checkpoint
-    legacy = CusumDetector()
-    legacy.load_state_dict(old)
-    assert all(rows == [] for rows in legacy._co.values())
+    old = {**state, "rows": {k: v for k, v in state["rows"].items() if k != "co"}}  # a state without the co-signals
+    with pytest.raises(ValueError, match="rows.co"):
+        CusumDetector().load_state_dict(old)  # refused naming the field: no older format is kept alive
 
 
 def test_an_unknown_co_signal_is_refused_by_name():
@@ -328,14 +329,14 @@ def test_the_worker_feeds_verls_update_figures_to_the_detector_and_logs_them():
     second = _verl_output({"grad_norm": [float("nan"), 0.9], "actor/pg_clipfrac": [0.02]})  # a NaN norm: left out
     out = finish_update(sched, sums, second, True, {})
     det = sched.schedule.detector
-    assert det._co["grad_norm"] == [[1, pytest.approx(0.7)]]  # (0.5 + 0.7 + 0.9) / 3, under the step just fed
-    assert det._co["kl_loss"] == [[1, pytest.approx(3e-3)]]
-    assert det._co["pg_clipfrac"] == [[1, pytest.approx(0.02)]] and det._co["entropy"] == []
+    assert det.rows.co["grad_norm"] == [[1, pytest.approx(0.7)]]  # (0.5 + 0.7 + 0.9) / 3, under the step just fed
+    assert det.rows.co["kl_loss"] == [[1, pytest.approx(3e-3)]]
+    assert det.rows.co["pg_clipfrac"] == [[1, pytest.approx(0.02)]] and det.rows.co["entropy"] == []
     metrics = tu.get(out, "metrics")
     assert metrics["lrstab/grad_norm"] == [pytest.approx(0.7)] and "lrstab/entropy" not in metrics
     # a rank without verl's output (not a model-parallel source rank) and none anywhere: nothing fed
     assert finish_update(sched, sums, None, True, {}) is None
-    assert len(det._co["grad_norm"]) == 1
+    assert len(det.rows.co["grad_norm"]) == 1
 
 
 def _glue_rank(rank, world_size, init_file, out_file):
@@ -356,7 +357,7 @@ def _glue_rank(rank, world_size, init_file, out_file):
     output = _verl_output({"grad_norm": [0.4, 0.6], "kl_loss": [1e-3]}) if rank == 0 else None
     finish_update(sched, state_of(sched).cosignals, output, True, {})
     with open(f"{out_file}.{rank}", "w") as f:
-        json.dump(sched.schedule.detector._co, f)
+        json.dump(sched.schedule.detector.rows.co, f)
     dist.destroy_process_group()
 
 
@@ -391,6 +392,7 @@ def test_real_pilot_4_fed_verls_own_columns_is_no_surge():
     assert result.surge_step is None
 
 
+@pytest.mark.xfail(strict=True, reason="a regression of the smaller default rule, measured in docs/detector.md: O: k3 confirms a step or two after the length alone (the rule 'k3 risen with the length' is gone)")
 def test_a_mismatch_kl_rising_with_a_slow_surge_decides_no_later_than_the_length_alone():
     # class O: a slow, noisy climb whose k3 doubles over its first ~15 steps, k3 having settled from a
     # higher early level (the steps 30-60 back read high), the score high and noisy until ~25 steps in.
@@ -408,6 +410,7 @@ def test_a_mismatch_kl_rising_with_a_slow_surge_decides_no_later_than_the_length
 
 
 @pytest.mark.parametrize("rows_every", [5, 10])
+@pytest.mark.xfail(strict=True, reason="a regression of the smaller default rule, measured in docs/detector.md: O logged every 5 or 10 steps: k3 confirms rows after the length alone")
 def test_a_mismatch_kl_rising_with_a_slow_surge_decides_with_the_length_alone_in_a_sparse_log(rows_every):
     # class O logged every 5 or 10 steps: k3's "now" is its last 2 rows and the alarm's row decides, so
     # the KL confirms where the length alone fires rather than waiting rows for the score's fall

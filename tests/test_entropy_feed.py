@@ -179,7 +179,7 @@ def test_the_old_log_prob_pass_feeds_the_detector_at_the_steps_last_update():
     # the update's own entropy (bypass / calculate_entropy) gives way to the old-log-prob pass's, verl's actor/entropy
     update = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"actor/entropy_loss": [7.0]}})
     out = finish_update(sched, state_of(sched).cosignals, update, True, {})
-    assert sched.schedule.detector._co["entropy"] == [[1, pytest.approx(EXPECTED)]]
+    assert sched.schedule.detector.rows.co["entropy"] == [[1, pytest.approx(EXPECTED)]]
     assert tu.get(out, "metrics")["lrstab/entropy"] == [pytest.approx(EXPECTED)]
     assert state_of(sched).cosignals.entropy is None  # used once: a later step without the pass feeds no stale value
 
@@ -195,7 +195,7 @@ def test_without_an_old_log_prob_pass_the_updates_own_entropy_is_fed():
     sched.step()
     update = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"actor/entropy_loss": [0.8, 1.0]}})
     finish_update(sched, state_of(sched).cosignals, update, True, {})
-    assert sched.schedule.detector._co["entropy"] == [[1, pytest.approx(0.9)]]
+    assert sched.schedule.detector.rows.co["entropy"] == [[1, pytest.approx(0.9)]]
 
 
 @pytest.mark.parametrize("calculate_entropy, compute_loss", [(False, False), (True, True)])

@@ -68,7 +68,7 @@ def test_a_co_signal_given_as_text_is_not_fed():
     s = LengthSurgeSchedule({})
     s.observe(1, 1000.0, score="0.5", clip_ratio="0.1", mismatch_kl="0.01")
     assert math.isnan(s.score) and math.isnan(s.clip_ratio) and math.isnan(s.mismatch_kl)
-    assert s.detector.state_dict()["score"] == [] and s.detector.state_dict()["clip"] == []
+    assert s.detector.state_dict()["rows"]["score"] == [] and s.detector.state_dict()["rows"]["clip"] == []
 
 
 def test_an_update_counter_that_goes_back_is_warned_about_not_absorbed(caplog):
@@ -132,7 +132,7 @@ def test_a_damaged_scheduler_state_is_refused_naming_the_step_and_field(path, va
         fresh().load_state_dict(state)
 
 
-def test_a_cusum_state_missing_a_field_is_refused_an_older_one_without_the_cosignals_is_not():
+def test_a_cusum_state_missing_a_field_or_with_an_unknown_one_is_refused_naming_it():
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)
     sched = LengthSurgeLR(opt)
     for _ in range(12):
@@ -140,9 +140,13 @@ def test_a_cusum_state_missing_a_field_is_refused_an_older_one_without_the_cosig
         sched.step(1000.0)
     state = sched.state_dict()
     older = copy.deepcopy(state)
-    for key in ("co", "watch", "cosignals_up"):  # written before those fields existed
-        del older["schedule"]["detector"][key]
-    LengthSurgeLR(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)).load_state_dict(older)
+    del older["schedule"]["detector"]["fired_by"]  # no older in-repo state format is kept alive
+    with pytest.raises(SchedulerStateError, match=r"detector\.fired_by=<missing>"):
+        LengthSurgeLR(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)).load_state_dict(older)
+    unknown = copy.deepcopy(state)
+    unknown["schedule"]["detector"]["watch"] = None
+    with pytest.raises((SchedulerStateError, ValueError), match=r"watch"):
+        LengthSurgeLR(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)).load_state_dict(unknown)
     del state["schedule"]["detector"]["cusum"]
     with pytest.raises(SchedulerStateError, match=r"the checkpoint at update 12: .*detector\.cusum=<missing>"):
         LengthSurgeLR(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)).load_state_dict(state)

@@ -65,12 +65,11 @@ class LengthSurgeConfig:
         trigger (str): what starts the decay: ``"length"`` (default, the paper), ``"mismatch"``
             (the mismatch KL exceeds its budget) or ``"either"`` (whichever fires first).
         detector (str): the length-surge test: ``"cusum"`` (default: CUSUM of noise-scaled
-            log-length rises, confirmed by the co-signals fed: the score, the mismatch KL, the
-            clip ratio, and verl's own ``actor/grad_norm``, ``actor/kl_loss``,
-            ``actor/pg_clipfrac`` and ``actor/entropy``, two of which risen confirm without the
-            score; docs/detector.md) or ``"ratio"`` (the first, simpler rule: level vs a
-            baseline ``horizon`` steps back; its options: ``fast_window``, ``horizon``,
-            ``baseline_window``, ``ratio_threshold``, ``patience``).
+            log-length rises, confirmed by witnesses: the score, the mismatch KL, the clip share and
+            verl's ``actor/grad_norm``, ``actor/kl_loss``, ``actor/pg_clipfrac``, ``actor/entropy``;
+            five ways to fire and five holds, docs/detector.md) or ``"ratio"`` (level vs a baseline
+            ``horizon`` steps back; its options: ``fast_window``, ``horizon``, ``baseline_window``,
+            ``ratio_threshold``, ``patience``).
         skip_first_steps (int): updates ignored by the detector (warmup, format learning).
             Default 10.
         fast_window (int): ratio detector: span in steps of the median that gives the current
@@ -87,34 +86,29 @@ class LengthSurgeConfig:
             and mismatch trigger). Default 3.
         cusum_span (int): cusum: steps in the trailing baseline of the log length. Default 20.
         cusum_lag (int): cusum: the baseline ends this many steps back. Default 3.
-        cusum_drift (float): cusum: allowance per step, in noise units (> 0). Default 1.0.
-        cusum_threshold (float): cusum: alarm level of the accumulated rise, in noise units (> 0).
-            Default 5.0.
-        cusum_min_rise (float): cusum: the level (median of 5 steps) must also be at least this
-            multiple of the baseline (> 1). Default 1.2.
-        cusum_noise_floor (float): cusum: smallest noise scale of the log length (> 0; 0.05 =
-            5 %). Default 0.05.
-        cusum_rebound_margin (float): cusum, length only: a rise back to below this multiple
-            of the run's earlier high is a rebound, not a surge (> 1). Default 1.3.
+        cusum_drift (float): cusum: CUSUM allowance per step, in noise units (> 0). Default 1.0.
+        cusum_threshold (float): cusum: full length evidence, in noise units (> 0); half of it, with the
+            newest step at ``cusum_min_rise``, arms an alarm. Default 5.0.
+        cusum_min_rise (float): cusum: the length (newest step; for the score and the length alone, the
+            median of 5 steps) must be at least this multiple of the baseline (> 1). Default 1.2.
+        cusum_noise_floor (float): cusum: smallest noise scale of the log length (> 0; 0.05 = 5 %).
+            Default 0.05.
+        cusum_rebound_margin (float): cusum: a level below this multiple of the run's earlier high is a
+            rebound, not a surge (> 1). Default 1.3.
         cusum_rebound_memory (int): cusum: steps back the earlier high is looked for. Default 100.
-        cusum_confirm_steps (int): cusum, with a score: steps an alarm waits for a co-signal.
-            Default 40.
-        cusum_score_z (float): cusum: a score change counts as a fall / rise beyond this many
-            noise units (> 0). Default 3.5.
-        cusum_kl_rise (float): cusum: growth of the mismatch KL (last 5 steps vs 30-60 steps
-            back) that confirms an alarm (> 1). Default 1.5.
-        cusum_clip_rise (float): cusum: rise of the share of responses at the response cap
-            that confirms an alarm (> 0; in training the glue feeds it as
+        cusum_confirm_steps (int): cusum: an alarm's longest wait for a way to fire. Default 40.
+        cusum_score_z (float): cusum: a score fall, or a witness rise, counts beyond this many noise
+            units (> 0). Default 3.5.
+        cusum_kl_rise (float): cusum: the mismatch KL's least rise over its baseline-window median to
+            count as a risen witness (> 1). Default 1.5.
+        cusum_clip_rise (float): cusum: the least rise of the share of responses at the response cap
+            to count as a risen witness (> 0; in training the glue feeds it as
             ``actor/lrstab/clip_ratio``). Default 0.25.
-        cusum_runaway_rise (float): cusum: an alarm fires whatever the co-signals once the level
-            is this multiple of its baseline and the run never was that long before (> 1): the
-            paper's 3-4x surge may come with a rising score. Default 2.5.
-        cusum_spike_rise (float): cusum: a **one-step spike** is a length at least this multiple
-            of the steps before and after it (a single long batch, back the next step, > 1): it is
-            no part of the level, and a score dip on it, or on a newest step this multiple of the
-            step before (known to revert only at the next step), never confirms an alarm (long answers
-            are more often wrong or cut off: the batch's composition, not a trend). In a log written
-            every few steps where the score is the only witness, rows count as steps. Default 1.2.
+        cusum_runaway_rise (float): cusum: an armed alarm fires whatever the witnesses once the level
+            is this multiple of its baseline and the run never was that long before (> 1). Default 2.5.
+        cusum_spike_rise (float): cusum: a one-step spike is a length this multiple of the steps before
+            and after it, a jumped row this multiple of the row before (> 1): the score observed on
+            either confirms nothing (long answers are more often wrong or cut off). Default 1.2.
         max_surges (int): how many surges the detector reports per run. Default 1. The
             schedule always follows the first one; later ones are only reported.
         mismatch_budget (float | None): fixed budget on the mismatch KL for the mismatch

@@ -86,12 +86,15 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
         )
 
     def step(self, increment: int = 1, response_length: Optional[float] = None,
-             mismatch_kl: Optional[float] = None) -> None:
-        """Advance ``increment`` steps (verl: 1 per actor update) and set every group's LR and WD."""
+             mismatch_kl: Optional[float] = None, score: Optional[float] = None,
+             clip_ratio: Optional[float] = None, **cosignals: Optional[float]) -> None:
+        """Advance ``increment`` steps (verl: 1 per actor update) and set every group's LR and WD; the
+        figures as :meth:`verl_lrstab.scheduler.LengthSurgeLR.step` takes them."""
         if self._held:
             return
         if increment > 0 and not self._replaying:
-            self._observe_waiting(self.num_steps + increment, response_length, mismatch_kl)
+            self._observe_waiting(self.num_steps + increment, response_length, mismatch_kl, score, clip_ratio,
+                                  cosignals)
         super().step(increment)
 
     def constant_lr(self, max_lr: float) -> float:

@@ -328,15 +328,19 @@ class FedSchedule:
         finally:
             self._held = False
 
-    def _observe_waiting(self, update: int, response_length: Optional[float], mismatch_kl: Optional[float]) -> None:
-        """Feed update ``update`` to the schedule, consuming the waiting figures (never reused)."""
+    def _observe_waiting(self, update: int, response_length: Optional[float], mismatch_kl: Optional[float],
+                         score: Optional[float] = None, clip_ratio: Optional[float] = None,
+                         cosignals: Optional[Mapping[str, Optional[float]]] = None) -> None:
+        """Feed update ``update`` to the schedule, consuming the waiting figures (never reused); explicit
+        figures win. ``cosignals`` (the update's own figures) are observed under ``update`` after its
+        decision, as :meth:`observe_update` does once the update ran: both ways in decide alike."""
         waiting, self._waiting = self._waiting or UpdateFigures(), None
-        if response_length is None:
-            response_length = waiting.response_length
-        if mismatch_kl is None:
-            mismatch_kl = waiting.mismatch_kl
-        self.schedule.observe(update, response_length, mismatch_kl, score=waiting.score,
-                              clip_ratio=waiting.clip_ratio)
+        self.schedule.observe(update, waiting.response_length if response_length is None else response_length,
+                              waiting.mismatch_kl if mismatch_kl is None else mismatch_kl,
+                              score=waiting.score if score is None else score,
+                              clip_ratio=waiting.clip_ratio if clip_ratio is None else clip_ratio)
+        if cosignals:
+            self.schedule.observe_cosignals(cosignals, update)
 
     def _restore_schedule(self, own: Optional[dict], step) -> None:
         """Restore the schedule's state from a checkpoint (one behaviour for both engines).
@@ -417,6 +421,7 @@ class ReplayResult:
     ratio: list = field(default_factory=list)
     trigger_step: Optional[int] = None
     cusum: list = field(default_factory=list)  # detector: cusum only
+    fired_by: Optional[str] = None  # detector: cusum: the way the surge fired (verl_lrstab.cusum.WAYS)
 
 
 def replay(steps: Iterable[int], values: Iterable[Optional[float]],
@@ -455,6 +460,7 @@ def replay(steps: Iterable[int], values: Iterable[Optional[float]],
         result.ratio.append(schedule.detector.ratio)
         result.cusum.append(getattr(schedule.detector, "cusum", math.nan))
     result.surge_step = schedule.surge_step
+    result.fired_by = next(iter(getattr(schedule.detector, "fired_by", [])), None)
     result.trigger_step = schedule.trigger_step
     result.decay_period = schedule.decay_period
     return result

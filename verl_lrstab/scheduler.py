@@ -51,18 +51,23 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         self._configured_lrs = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)
 
-    def step(self, response_length: Optional[float] = None, mismatch_kl: Optional[float] = None) -> None:
-        """Advance one actor update.
+    def step(self, response_length: Optional[float] = None, mismatch_kl: Optional[float] = None,
+             score: Optional[float] = None, clip_ratio: Optional[float] = None, **cosignals: Optional[float]) -> None:
+        """Advance one actor update, fed every figure the detector reads (None or NaN: not logged).
 
         Args:
             response_length (float | None): the update's batch mean response length (verl's
                 ``response_length/mean``). None or NaN is skipped with a warning.
-            mismatch_kl (float | None): the update's mismatch KL, for ``trigger: mismatch|either``.
+            mismatch_kl (float | None): the update's mismatch KL (``trigger: mismatch|either`` and cusum's witness).
+            score (float | None): the batch's mean score (verl's ``critic/score/mean``).
+            clip_ratio (float | None): the share of responses at the response cap.
+            **cosignals: the update's own figures: ``entropy``, ``grad_norm``, ``kl_loss``,
+                ``pg_clipfrac`` (verl's ``actor/*``); read from the next update on, as verl's glue feeds them.
         """
         if self._held:
             return
         if not self._is_initial:
-            self._observe_waiting(self.last_epoch + 1, response_length, mismatch_kl)
+            self._observe_waiting(self.last_epoch + 1, response_length, mismatch_kl, score, clip_ratio, cosignals)
         super().step()
 
     def get_lr(self) -> list[float]:

@@ -110,6 +110,14 @@ def check_megatron_scheduler_state(state: Any, own_key: str = "length_surge") ->
             check_schedule_state(own["schedule"], step)
 
 
+def _check_rows(c, name: str, value) -> None:
+    if not isinstance(value, (list, tuple)):
+        c.fail(name, value, "a list of [step, value] rows")
+    for i, row in enumerate(value):
+        if not isinstance(row, (list, tuple)) or len(row) != 2 or not _integer(row[0]) or not _finite(row[1]):
+            c.fail(f"{name}[{i}]", row, "a row [integer step, finite value]")
+
+
 def check_schedule_state(state: Any, step: Optional[int] = None) -> None:
     """``LengthSurgeSchedule.state_dict()``: the trigger and the detector's fields (every key a
     fresh detector of the saved kind saves, each of its type; rows ``[step, finite value]``)."""
@@ -129,29 +137,43 @@ def check_schedule_state(state: Any, step: Optional[int] = None) -> None:
     if not isinstance(detector, dict):
         c.fail("detector", detector, "a mapping")
     cls = CusumDetector if kind == "cusum" else SurgeDetector
-    optional = {k.lstrip("_") for k in getattr(cls, "_STATE_OPTIONAL", {})}  # absent from older checkpoints
     fresh = cls().state_dict()
+    for key in sorted(set(detector) - set(fresh), key=str):  # no older state format is read
+        c.fail(f"detector.{key}", detector[key], f"absent (not a field of the {kind} detector's state)")
     for key, empty in fresh.items():
         name = f"detector.{key}"
         if key not in detector:
-            if key in optional:
-                continue
             c.fail(name, MISSING, "the key to be present")
         value = detector[key]
-        if key in ("history", "log", "high", "score", "kl", "clip"):
-            if not isinstance(value, (list, tuple)):
-                c.fail(name, value, "a list of [step, value] rows")
-            for i, row in enumerate(value):
-                if (not isinstance(row, (list, tuple)) or len(row) != 2 or not _integer(row[0])
-                        or not _finite(row[1])):
-                    c.fail(f"{name}[{i}]", row, "a row [integer step, finite value]")
+        if key == "rows":
+            if not isinstance(value, dict) or set(value) != set(empty):
+                c.fail(name, value, f"a mapping of {sorted(empty)}")
+            columns = {f"rows.{k}": v for k, v in value.items() if k != "co"}
+            if not isinstance(value["co"], dict) or set(value["co"]) != set(empty["co"]):
+                c.fail(f"{name}.co", value["co"], f"a mapping of {sorted(empty['co'])}")
+            columns.update({f"rows.co.{k}": v for k, v in value["co"].items()})
+            for col, rows in columns.items():
+                _check_rows(c, f"detector.{col}", rows)
+        elif key == "history":
+            _check_rows(c, name, value)
+        elif key == "alarm" and kind == "cusum":
+            from dataclasses import fields
+
+            from verl_lrstab.cusum import Alarm
+
+            names = sorted(f.name for f in fields(Alarm))
+            if value is not None and (not isinstance(value, dict) or sorted(value) != names):
+                c.fail(name, value, f"null or a mapping of {names}")
+        elif key == "fired_by":
+            if not isinstance(value, list) or not all(isinstance(w, str) for w in value):
+                c.fail(name, value, "a list of the ways that fired")
         elif key == "surge_steps":
             if not isinstance(value, (list, tuple)) or not all(_integer(s) and s >= 0 for s in value):
                 c.fail(name, value, "a list of integer steps >= 0")
         elif key == "first_values":
             if not isinstance(value, (list, tuple)) or not all(_finite(v) for v in value):
                 c.fail(name, value, "a list of finite numbers")
-        elif key in ("num_skipped", "cosignals_up"):
+        elif key == "num_skipped":
             if not _integer(value) or value < 0:
                 c.fail(name, value, "an integer >= 0")
         elif key in ("last_step", "first_step", "streak_start"):

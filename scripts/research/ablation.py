@@ -88,7 +88,7 @@ for name, value, what in (
 for name, value, what in (
         ("LEVEL_STEPS", 3, "3"), ("MIN_ROWS", 4, "4"), ("MAD_SD", 1.0, "1"), ("MEDIAN_SD", 1.0, "1"),
         ("OLD_STEPS", 0, "0 (no older reference)"), ("WITNESS_RISE", 1.0, "1"), ("WITNESSES", 1, "1"),
-        ("COLLAPSE_SHARE", 1.0, "1"), ("KL_OLD", False, "off"), ("GATE_MIN", False, "half-way")):
+        ("COLLAPSE_SHARE", 1.0, "1"), ("FEW_ROWS", 1, "1"), ("NOISE_ROWS", 8, "8"), ("SCORE_FLOOR", 0.0, "0")):
     if hasattr(cusum, name):
         VARIANTS[f"{name}={what}"] = ("number", f"constant {name}", _const(name, value))
 
@@ -139,17 +139,21 @@ def cells(forms: dict, other: list) -> dict:
 def run_variant(name: str) -> tuple[str, dict]:
     kind, doc, patch = VARIANTS[name]
     saved = dict(bench.OPTIONS)
-    with ExitStack() as stack:
-        patch(stack)
-        for runs in _RUNS["forms"].values():
-            for r in runs:
+    try:
+        with ExitStack() as stack:
+            patch(stack)
+            for runs in _RUNS["forms"].values():
+                for r in runs:
+                    r["fired"] = {"cusum": bench._cusum(r)}
+                    if r["cls"] == "T":
+                        r["fired"]["cusum, length only"] = bench._cusum(r, ())
+            for r in _RUNS["other"]:
                 r["fired"] = {"cusum": bench._cusum(r)}
-                if r["cls"] == "T":
-                    r["fired"]["cusum, length only"] = bench._cusum(r, ())
-        for r in _RUNS["other"]:
-            r["fired"] = {"cusum": bench._cusum(r)}
-    bench.OPTIONS.clear()
-    bench.OPTIONS.update(saved)
+    except Exception as exc:  # a neutral value the rule cannot run with: say so in the table
+        return name, {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        bench.OPTIONS.clear()
+        bench.OPTIONS.update(saved)
     return name, cells(_RUNS["forms"], _RUNS["other"])
 
 

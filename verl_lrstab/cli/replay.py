@@ -81,6 +81,12 @@ def replay_run(df, metric: str, config: LengthSurgeConfig, warmup_steps: int = 0
     return result, values
 
 
+#: What each way to fire of ``detector: cusum`` says (docs/detector.md tables them).
+FIRED_BY = {"score": "the score fell with the length up", "witnesses": "two witnesses rose with the length",
+            "length": "the length alone: no witness logged", "runaway": "the length ran away",
+            "return": "a return to an earlier high collapsed"}
+
+
 def replayed_length(df, metric: str | None, config: LengthSurgeConfig) -> tuple[str, str]:
     """``(column, what it counts)`` of the length a replay reads (:func:`verl_lrstab.runs.length_column`)."""
     return length_column(df, metric, config.length_tokens, LENGTH_METRICS)
@@ -96,10 +102,8 @@ def print_head(run, metric: str, values, result: ReplayResult, config: LengthSur
     if config.detector == "cusum" or result.cosignals:
         print("co-signals: " + (", ".join(result.cosignals.values()) or "none (length only)"))
     line = _surge_line(result)
-    if (config.detector == "cusum" and result.surge_step is not None
-            and result.ratio[result.steps.index(result.surge_step)] < config.cusum_min_rise):
-        line += (f"; below cusum_min_rise {config.cusum_min_rise:g}: the early rule, half the length evidence "
-                 "with a co-signal confirming")
+    if result.fired_by is not None:
+        line += f"; fired by: {result.fired_by} ({FIRED_BY[result.fired_by]})"
     print(line)
 
 
