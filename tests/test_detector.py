@@ -10,7 +10,7 @@ from verl_lrstab.detector import SurgeDetector
 
 
 def run(values, start=1, **kwargs):
-    det = SurgeDetector(**kwargs)
+    det = SurgeDetector(kwargs)
     fired = [s for s, v in enumerate(values, start=start) if det.update(s, v)]
     return det, fired
 
@@ -69,7 +69,7 @@ def test_warmup_transients_are_ignored():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 0.0, -3.0, None, "x"])
 def test_bad_values_are_skipped_never_fire(bad, caplog):
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
-    det = SurgeDetector(skip_first_steps=0, horizon=3, baseline_window=2, fast_window=1, patience=1)
+    det = SurgeDetector({"skip_first_steps": 0, "horizon": 3, "baseline_window": 2, "fast_window": 1, "patience": 1})
     for s in range(1, 10):
         assert det.update(s, 100.0) is False
     for s in range(10, 40):
@@ -125,7 +125,7 @@ def test_state_dict_round_trip_continues_identically():
                                     dict(fast_window=2.5), dict(skip_first_steps=-1), dict(max_surges=True)])
 def test_invalid_arguments_raise(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
-        SurgeDetector(**kwargs)
+        SurgeDetector(kwargs)
 
 
 def test_reports_baseline_and_ratio():
@@ -327,7 +327,7 @@ def test_cusum_two_adjacent_long_batches_are_not_a_surge():
 
 
 def feed_values(values, det=None, **kw):
-    det = det or CusumDetector(**kw)
+    det = det or CusumDetector(kw)
     return det, [s for s, v in enumerate(values, 1) if det.update(s, v)]
 
 
@@ -386,16 +386,19 @@ def test_cusum_armed_state_survives_resume():
 
 
 @pytest.mark.parametrize("kwargs,key", [
-    (dict(span=0), "span"), (dict(lag=-1), "lag"), (dict(drift=0), "drift"), (dict(threshold=-1), "threshold"),
-    (dict(min_rise=1.0), "min_rise"), (dict(noise_floor=0), "noise_floor"), (dict(rebound_margin=0.9), "rebound_margin"),
-    (dict(rebound_memory=0), "rebound_memory"), (dict(confirm_steps=2.5), "confirm_steps"),
-    (dict(score_z=math.nan), "score_z"), (dict(kl_rise=1), "kl_rise"), (dict(clip_rise=0), "clip_rise"),
-    (dict(runaway_rise=1.0), "runaway_rise"),
+    (dict(cusum_span=0), "cusum_span"), (dict(cusum_lag=-1), "cusum_lag"), (dict(cusum_drift=0), "cusum_drift"),
+    (dict(cusum_threshold=-1), "cusum_threshold"), (dict(cusum_min_rise=1.0), "cusum_min_rise"),
+    (dict(cusum_noise_floor=0), "cusum_noise_floor"), (dict(cusum_rebound_margin=0.9), "cusum_rebound_margin"),
+    (dict(cusum_rebound_memory=0), "cusum_rebound_memory"), (dict(cusum_confirm_steps=2.5), "cusum_confirm_steps"),
+    (dict(cusum_score_z=math.nan), "cusum_score_z"), (dict(cusum_kl_rise=1), "cusum_kl_rise"),
+    (dict(cusum_clip_rise=0), "cusum_clip_rise"), (dict(cusum_runaway_rise=1.0), "cusum_runaway_rise"),
     (dict(max_surges=0), "max_surges"), (dict(skip_first_steps=True), "skip_first_steps"),
+    (dict(detector="ratio"), "detector"), (dict(horizon=20), "horizon"),
 ])
-def test_cusum_invalid_arguments_name_the_argument(kwargs, key):
-    with pytest.raises(ValueError, match=key):
-        CusumDetector(**kwargs)
+def test_cusum_invalid_options_name_the_full_key(kwargs, key):
+    # the config's own check, the same a YAML node gets (the detector has none of its own)
+    with pytest.raises(ValueError, match=rf"actor_rollout_ref\.actor\.optim\.length_surge\.{key}=.* is invalid"):
+        CusumDetector(kwargs)
 
 
 def test_cusum_max_surges_measures_the_next_surge_from_the_new_level():
@@ -452,5 +455,5 @@ def test_cusum_runaway_fires_on_the_papers_surge_even_with_a_rising_score(seed, 
     lengths, score = _paper_like(seed, rise_steps)
     det = CusumDetector()
     assert [s for s, (v, sc) in enumerate(zip(lengths, score), 1) if det.update(s, v, score=sc)] == expected
-    held = CusumDetector(runaway_rise=100.0)
+    held = CusumDetector({"cusum_runaway_rise": 100.0})
     assert [s for s, (v, sc) in enumerate(zip(lengths, score), 1) if held.update(s, v, score=sc)] == []

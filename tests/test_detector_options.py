@@ -9,6 +9,7 @@ alternating +-a % (``a`` = 0: noiseless; its noise is then ``noise_floor``), a s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -56,7 +57,7 @@ def flat_score(n=N):
 
 
 def fires(lengths, score=None, kl=None, clip=None, **options):
-    det = CusumDetector(**options)
+    det = CusumDetector(options)
     out = []
     for i, v in enumerate(lengths):
         feeds = {k: col[i] for k, col in (("score", score), ("kl", kl), ("clip_ratio", clip)) if col is not None}
@@ -70,7 +71,10 @@ def test_the_options_pinned_here_are_every_documented_cusum_option():
     pinned = {"skip_first_steps", "max_surges", "span", "lag", "drift", "threshold", "min_rise", "noise_floor",
               "rebound_margin", "rebound_memory", "confirm_steps", "score_z", "kl_rise", "clip_rise",
               "runaway_rise", "spike_rise"}
-    assert set(LengthSurgeConfig().detector_kwargs()) == pinned
+    read = {f.name.removeprefix("cusum_") for f in dataclasses.fields(LengthSurgeConfig) if f.name.startswith("cusum_")}
+    assert read | {"skip_first_steps", "max_surges"} == pinned
+    det = CusumDetector()
+    assert all(getattr(det, name) == getattr(LengthSurgeConfig(), f"cusum_{name}") for name in read)
 
 
 # -- the length alarm ---------------------------------------------------------------------------
@@ -207,7 +211,7 @@ def test_a_same_step_score_dip_on_a_one_step_spike_never_confirms():
 
 def fires_rows(steps, lengths, score=None, kl=None, co=None, **options):
     """:func:`fires` for a log with rows at ``steps`` only; ``co``: verl's co-signals ``{name: column}``."""
-    det = CusumDetector(**options)
+    det = CusumDetector(options)
     out = []
     for i, (s, v) in enumerate(zip(steps, lengths)):
         feeds = {k: col[i] for k, col in (("score", score), ("kl", kl)) if col is not None}
@@ -232,4 +236,4 @@ def test_the_new_options_are_validated_by_name(key):
         LengthSurgeConfig(**{key: 1.0})
     with pytest.raises(ValueError, match=key):
         LengthSurgeConfig(**{key: float("nan")})
-    assert LengthSurgeConfig(**{key: 1.3}).detector_kwargs()["spike_rise"] == 1.3
+    assert CusumDetector(LengthSurgeConfig(**{key: 1.3})).spike_rise == 1.3

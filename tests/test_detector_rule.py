@@ -28,7 +28,7 @@ NAMES = {phenomena.ENTROPY: "entropy", phenomena.GRAD_NORM: "grad_norm", phenome
 
 
 def feed(tr, det=None):
-    det = det or CusumDetector(**LengthSurgeConfig().detector_kwargs())
+    det = det or CusumDetector(LengthSurgeConfig())
     for i, s in enumerate(tr.steps):
         k3 = tr.k3[i]
         if det.update(s, tr.length[i], score=tr.score[i], kl=None if math.isnan(k3) else k3, clip_ratio=tr.clip[i]):

@@ -517,19 +517,20 @@ def _feed(trig, values, start=1):
 
 
 def test_fixed_budget_fires_after_patience_and_only_once():
-    trig = MismatchTrigger(budget=1e-3, skip_first_steps=2, patience=3)
+    trig = MismatchTrigger({"mismatch_budget": 1e-3, "skip_first_steps": 2, "patience": 3})
     values = [5e-3, 5e-3] + [1e-4, 2e-3, 2e-3, 1e-4, 2e-3, 2e-3, 2e-3, 2e-3, 2e-3]
     assert _feed(trig, values) == [9]  # steps 1-2 skipped; steps 4-5 are a streak of 2 only
     assert trig.fired and trig.fired_step == 9 and trig.budget == 1e-3
 
 
 def test_fixed_budget_above_the_mismatch_never_fires():
-    trig = MismatchTrigger(budget=1e-2, skip_first_steps=0, patience=1)
+    trig = MismatchTrigger({"mismatch_budget": 1e-2, "skip_first_steps": 0, "patience": 1})
     assert _feed(trig, [5e-3] * 50) == []
 
 
 def test_calibrated_budget_is_factor_times_median_of_early_steps():
-    trig = MismatchTrigger(budget_factor=4.0, calibration_steps=5, skip_first_steps=2, patience=2)
+    trig = MismatchTrigger({"mismatch_budget_factor": 4.0, "mismatch_calibration_steps": 5, "skip_first_steps": 2,
+                            "patience": 2})
     early = [9.0, 9.0]  # warmup, ignored
     calib = [1e-4, 3e-4, 2e-4, 5e-2, 2e-4]  # one wild value: the median ignores it
     assert _feed(trig, early + calib) == []
@@ -539,16 +540,16 @@ def test_calibrated_budget_is_factor_times_median_of_early_steps():
 
 
 def test_nan_and_none_are_skipped_without_breaking_a_streak():
-    trig = MismatchTrigger(budget=1.0, skip_first_steps=0, patience=3)
+    trig = MismatchTrigger({"mismatch_budget": 1.0, "skip_first_steps": 0, "patience": 3})
     assert _feed(trig, [2.0, None, float("nan"), 2.0, float("inf"), "x", 2.0]) == [7]
     assert trig.num_skipped == 4
-    cal = MismatchTrigger(calibration_steps=2, skip_first_steps=0)
+    cal = MismatchTrigger({"mismatch_calibration_steps": 2, "skip_first_steps": 0})
     _feed(cal, [None, float("nan"), 1e-3])
     assert cal.budget is None  # invalid values do not calibrate
 
 
 def test_min_budget_floors_a_zero_baseline():
-    trig = MismatchTrigger(calibration_steps=3, skip_first_steps=0, patience=1, min_budget=1e-6)
+    trig = MismatchTrigger({"mismatch_calibration_steps": 3, "skip_first_steps": 0, "patience": 1})
     assert _feed(trig, [0.0, 0.0, 0.0, 5e-7, 5e-7]) == []
     assert trig.budget == 1e-6
     assert _feed(trig, [2e-6], start=6) == [6]
@@ -557,12 +558,12 @@ def test_min_budget_floors_a_zero_baseline():
 def test_state_dict_round_trip_resumes_mid_calibration_and_mid_streak():
     values = [1e-4, 2e-4, 1e-4, 1e-4, 3e-3, 3e-3, 1e-4, 3e-3, 3e-3, 3e-3, 3e-3]
     for cut in range(len(values)):
-        ref = MismatchTrigger(calibration_steps=4, skip_first_steps=1, patience=3)
+        ref = MismatchTrigger({"mismatch_calibration_steps": 4, "skip_first_steps": 1, "patience": 3})
         fired_ref = _feed(ref, values)
-        a = MismatchTrigger(calibration_steps=4, skip_first_steps=1, patience=3)
+        a = MismatchTrigger({"mismatch_calibration_steps": 4, "skip_first_steps": 1, "patience": 3})
         fired = _feed(a, values[:cut])
         state = json.loads(json.dumps(a.state_dict()))  # plain Python types only
-        b = MismatchTrigger(calibration_steps=4, skip_first_steps=1, patience=3)
+        b = MismatchTrigger({"mismatch_calibration_steps": 4, "skip_first_steps": 1, "patience": 3})
         b.load_state_dict(state)
         fired += _feed(b, values[cut:], start=cut + 1)
         assert fired == fired_ref == [10], cut
@@ -570,25 +571,25 @@ def test_state_dict_round_trip_resumes_mid_calibration_and_mid_streak():
 
 
 def test_fixed_budget_wins_over_a_restored_calibrated_one():
-    a = MismatchTrigger(calibration_steps=2, skip_first_steps=0)
+    a = MismatchTrigger({"mismatch_calibration_steps": 2, "skip_first_steps": 0})
     _feed(a, [1e-3, 1e-3])
-    b = MismatchTrigger(budget=0.5, skip_first_steps=0)
+    b = MismatchTrigger({"mismatch_budget": 0.5, "skip_first_steps": 0})
     b.load_state_dict(a.state_dict())
     assert b.budget == 0.5
 
 
 @pytest.mark.parametrize("kwargs, key", [
-    ({"budget": 0.0}, "budget"),
-    ({"budget": float("nan")}, "budget"),
-    ({"budget_factor": -1}, "budget_factor"),
-    ({"calibration_steps": 0}, "calibration_steps"),
+    ({"mismatch_budget": 0.0}, "mismatch_budget"),
+    ({"mismatch_budget": float("nan")}, "mismatch_budget"),
+    ({"mismatch_budget_factor": -1}, "mismatch_budget_factor"),
+    ({"mismatch_calibration_steps": 0}, "mismatch_calibration_steps"),
     ({"skip_first_steps": -1}, "skip_first_steps"),
     ({"patience": 1.5}, "patience"),
-    ({"min_budget": -1e-9}, "min_budget"),
+    ({"trigger": "length"}, "trigger"),
 ])
 def test_trigger_rejects_bad_options_naming_the_key(kwargs, key):
-    with pytest.raises(ValueError, match=key):
-        MismatchTrigger(**kwargs)
+    with pytest.raises(ValueError, match=rf"actor_rollout_ref\.actor\.optim\.length_surge\.{key}=.* is invalid: allowed values"):
+        MismatchTrigger(kwargs)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional, Union
 
 SCHEDULER_NAME = "length_surge"
 ORIGINS = ("start", "surge")
@@ -272,18 +272,28 @@ class LengthSurgeConfig:
         object.__setattr__(self, "given_keys", frozenset(keys))  # instance attribute: survives pickling
         return self
 
-    def detector_kwargs(self) -> dict:
-        """The arguments of the chosen detector (:class:`verl_lrstab.cusum.CusumDetector` or
-        :class:`verl_lrstab.detector.SurgeDetector`)."""
-        if self.detector == "cusum":
-            out = {k[len("cusum_"):]: getattr(self, k) for k in _CUSUM_KEYS}
-            return {"skip_first_steps": self.skip_first_steps, **out, "max_surges": self.max_surges}
-        keys = ("skip_first_steps", "fast_window", "horizon", "baseline_window", "ratio_threshold",
-                "patience", "max_surges")
-        return {k: getattr(self, k) for k in keys}
 
 
-_CUSUM_KEYS = [f.name for f in fields(LengthSurgeConfig) if f.name.startswith("cusum_")]
+def options_for(options: Union["LengthSurgeConfig", Mapping[str, Any], None], who: str,
+                **selects: tuple) -> "LengthSurgeConfig":
+    """The options of a detector or trigger built on its own (``who`` names it in errors).
+
+    Args:
+        options: a :class:`LengthSurgeConfig`, a mapping of its keys (checked as a YAML node is) or None
+            (the defaults).
+        **selects: the values of the keys that select ``who`` (``detector=("cusum",)``,
+            ``trigger=("mismatch", "either")``): a mapping or None that leaves such a key unset gets the
+            first; a value outside them is refused naming the key.
+    """
+    if not isinstance(options, LengthSurgeConfig):
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"{who} takes a LengthSurgeConfig or a mapping of {OPTIONS_KEY} options, "
+                             f"got {type(options).__name__}")
+        options = LengthSurgeConfig.from_dict({**{k: v[0] for k, v in selects.items()}, **(options or {})})
+    for key, allowed in selects.items():
+        value = getattr(options, key)
+        _check(value in allowed, key, value, f"one of {list(allowed)} for {who}")
+    return options
 
 
 def _num(value) -> float:

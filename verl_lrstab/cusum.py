@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from statistics import median
-from typing import Optional
+from typing import Any, Mapping, Optional, Union
 
 from verl_lrstab._numbers import finite_float
+from verl_lrstab.config import LengthSurgeConfig, options_for
+from verl_lrstab.state_checks import Row, from_state, require
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -118,60 +120,60 @@ class Alarm:
 class _Rows:
     """Observations as [step, value] rows."""
 
-    log: list = field(default_factory=list)  # log lengths
-    high: list = field(default_factory=list)  # 5-row medians of the log length (the run's earlier levels)
-    score: list = field(default_factory=list)
-    kl: list = field(default_factory=list)
-    clip: list = field(default_factory=list)
-    co: dict = field(default_factory=lambda: {name: [] for name in COSIGNALS})
+    log: list[Row] = field(default_factory=list)  # log lengths
+    high: list[Row] = field(default_factory=list)  # 5-row medians of the log length (the run's earlier levels)
+    score: list[Row] = field(default_factory=list)
+    kl: list[Row] = field(default_factory=list)
+    clip: list[Row] = field(default_factory=list)
+    co: dict[str, list[Row]] = field(default_factory=lambda: {name: [] for name in COSIGNALS})
+
+    def __post_init__(self):
+        require(set(self.co) == set(COSIGNALS), "co", sorted(self.co), f"a mapping of {list(COSIGNALS)}")
+
+
+@dataclass
+class CusumState:
+    """:meth:`CusumDetector.state_dict` as a dataclass (saved as plain types: ``dataclasses.asdict``)."""
+
+    rows: _Rows
+    alarm: Optional[Alarm]
+    cusum: float
+    surge_steps: list[int]
+    fired_by: list[str]  # the way each surge fired (WAYS)
+    num_skipped: int
+    last_step: Optional[int]
+    # the last step's measurements (NaN: not formed), reported until the next step forms them
+    level: float
+    baseline: float
+    ratio: float
+    noise: float
+
+    def __post_init__(self):
+        require(math.isfinite(self.cusum) and self.cusum >= 0, "cusum", self.cusum, "a finite number >= 0")
+        require(all(s >= 0 for s in self.surge_steps), "surge_steps", self.surge_steps, "integer steps >= 0")
+        require(all(w in WAYS for w in self.fired_by), "fired_by", self.fired_by, f"ways among {list(WAYS)}")
+        require(len(self.fired_by) == len(self.surge_steps), "fired_by", self.fired_by, "one way per surge step")
+        require(self.num_skipped >= 0, "num_skipped", self.num_skipped, "an integer >= 0")
 
 
 class CusumDetector:
     """Surge detector: CUSUM of noise-scaled log-length rises, confirmed by witnesses.
 
     Args:
-        skip_first_steps (int): steps ``<= skip_first_steps`` never raise an alarm. Default 10.
-        span (int): steps in the trailing baseline. Default 20.
-        lag (int): the baseline ends this many steps before the current step. Default 3.
-        drift (float): CUSUM allowance per step, in noise units. Default 1.0.
-        threshold (float): CUSUM alarm level, in noise units. Default 5.0.
-        min_rise (float): the level must be at least this multiple of the baseline. Default 1.2.
-        noise_floor (float): smallest noise scale, in log units. Default 0.05.
-        rebound_margin (float): a level below this multiple of the run's earlier high is a rebound. Default 1.3.
-        rebound_memory (int): how many steps back the earlier high is looked for. Default 100.
-        confirm_steps (int): how long an alarm waits for a way to fire. Default 40.
-        score_z (float): a score fall or rise beyond this many noise units counts. Default 3.5.
-        kl_rise (float): mismatch-KL growth that counts as a risen witness. Default 1.5.
-        clip_rise (float): rise of the clip share (responses at the cap) that counts as a risen witness. Default 0.25.
-        runaway_rise (float): an armed alarm fires whatever the witnesses at this multiple of its baseline. Default 2.5.
-        spike_rise (float): a one-step spike is a length this multiple of the steps around it. Default 1.2.
-        max_surges (int): surges reported at most. Default 1.
+        config (LengthSurgeConfig | Mapping | None): the options (:class:`verl_lrstab.config.LengthSurgeConfig`,
+            where each is documented and checked): ``skip_first_steps``, ``max_surges`` and every ``cusum_*``
+            key, read here without the prefix (``cusum_span`` is :attr:`span`). A mapping is checked as a
+            YAML node is; ``detector`` must be ``cusum``. None: the defaults.
     """
 
-    def __init__(self, skip_first_steps: int = 10, span: int = 20, lag: int = 3, drift: float = 1.0,
-                 threshold: float = 5.0, min_rise: float = 1.2, noise_floor: float = 0.05,
-                 rebound_margin: float = 1.3, rebound_memory: int = 100, confirm_steps: int = 40,
-                 score_z: float = 3.5, kl_rise: float = 1.5, clip_rise: float = 0.25, max_surges: int = 1,
-                 runaway_rise: float = 2.5, spike_rise: float = 1.2):
-        for name, value, low in (("skip_first_steps", skip_first_steps, 0), ("span", span, 1), ("lag", lag, 0),
-                                 ("rebound_memory", rebound_memory, 1), ("confirm_steps", confirm_steps, 1),
-                                 ("max_surges", max_surges, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        for name, value, low in (("drift", drift, 0.0), ("threshold", threshold, 0.0), ("noise_floor", noise_floor, 0.0),
-                                 ("score_z", score_z, 0.0), ("clip_rise", clip_rise, 0.0)):
-            if finite_float(value) is None or value <= low:
-                raise ValueError(f"{name} must be a number > {low:g}, got {value!r}")
-        for name, value in (("min_rise", min_rise), ("rebound_margin", rebound_margin), ("kl_rise", kl_rise),
-                            ("runaway_rise", runaway_rise), ("spike_rise", spike_rise)):
-            if finite_float(value) is None or value <= 1.0:
-                raise ValueError(f"{name} must be a number > 1, got {value!r}")
-        self.skip_first_steps, self.span, self.lag = skip_first_steps, span, lag
-        self.drift, self.threshold, self.min_rise = float(drift), float(threshold), float(min_rise)
-        self.noise_floor, self.rebound_margin = float(noise_floor), float(rebound_margin)
-        self.rebound_memory, self.confirm_steps, self.score_z = rebound_memory, confirm_steps, float(score_z)
-        self.kl_rise, self.clip_rise, self.max_surges = float(kl_rise), float(clip_rise), max_surges
-        self.runaway_rise, self.spike_rise = float(runaway_rise), float(spike_rise)
+    def __init__(self, config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None):
+        c = options_for(config, "CusumDetector", detector=("cusum",))
+        self.skip_first_steps, self.max_surges = c.skip_first_steps, c.max_surges
+        self.span, self.lag, self.drift, self.threshold = c.cusum_span, c.cusum_lag, c.cusum_drift, c.cusum_threshold
+        self.min_rise, self.noise_floor, self.score_z = c.cusum_min_rise, c.cusum_noise_floor, c.cusum_score_z
+        self.rebound_margin, self.rebound_memory = c.cusum_rebound_margin, c.cusum_rebound_memory
+        self.confirm_steps, self.kl_rise, self.clip_rise = c.cusum_confirm_steps, c.cusum_kl_rise, c.cusum_clip_rise
+        self.runaway_rise, self.spike_rise = c.cusum_runaway_rise, c.cusum_spike_rise
         self.rows = _Rows()
         self.alarm: Optional[Alarm] = None
         self._cusum = 0.0
@@ -481,35 +483,15 @@ class CusumDetector:
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The full state as plain Python types (safe for ``torch.load(weights_only=True)``)."""
-        return {"rows": asdict(self.rows), "alarm": None if self.alarm is None else asdict(self.alarm),
-                "cusum": self._cusum, "surge_steps": list(self.surge_steps), "fired_by": list(self.fired_by),
-                "num_skipped": self.num_skipped, "last_step": self.last_step, "level": self.level,
-                "baseline": self.baseline, "ratio": self.ratio, "noise": self.noise}
+        """The full state, :class:`CusumState` as plain Python types (safe for ``torch.load(weights_only=True)``)."""
+        return asdict(CusumState(rows=self.rows, alarm=self.alarm, cusum=self._cusum, surge_steps=list(self.surge_steps),
+                                 fired_by=list(self.fired_by), num_skipped=self.num_skipped, last_step=self.last_step,
+                                 level=self.level, baseline=self.baseline, ratio=self.ratio, noise=self.noise))
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; a state missing a field, or with one this detector does not know, is
-        refused naming it."""
-        expected = set(self.state_dict())
-        for key in sorted(expected ^ set(state)):
-            raise ValueError(f"cusum detector state: field {key!r} is "
-                             f"{'missing' if key in expected else 'unknown'}; expected fields {sorted(expected)}")
-        rows = dict(state["rows"])
-        for key in sorted({f.name for f in fields(_Rows)} ^ set(rows)):
-            raise ValueError(f"cusum detector state: field 'rows.{key}' is missing or unknown")
-        co = rows.pop("co")
-        if set(co) != set(COSIGNALS):
-            raise ValueError(f"cusum detector state: field 'rows.co' holds {sorted(co)}, expected {list(COSIGNALS)}")
-        self.rows = _Rows(**{k: [list(r) for r in v] for k, v in rows.items()},
-                          co={k: [list(r) for r in v] for k, v in co.items()})
-        alarm = state["alarm"]
-        if alarm is not None:
-            names = {f.name for f in fields(Alarm)}
-            for key in sorted(names ^ set(alarm)):
-                raise ValueError(f"cusum detector state: field 'alarm.{key}' is missing or unknown")
-            alarm = Alarm(**alarm)
-        self.alarm = alarm
-        self._cusum = state["cusum"]
-        self.surge_steps, self.fired_by = list(state["surge_steps"]), list(state["fired_by"])
-        self.num_skipped, self.last_step = state["num_skipped"], state["last_step"]
-        self.level, self.baseline, self.ratio, self.noise = (state[k] for k in ("level", "baseline", "ratio", "noise"))
+        """Restore :meth:`state_dict`; a state this detector cannot read (a field missing, unknown or of another
+        type) raises :class:`~verl_lrstab.state_checks.StateFieldError` naming the field."""
+        s = from_state(CusumState, state, "detector")
+        self.rows, self.alarm, self._cusum = s.rows, s.alarm, s.cusum
+        self.surge_steps, self.fired_by, self.num_skipped, self.last_step = s.surge_steps, s.fired_by, s.num_skipped, s.last_step
+        self.level, self.baseline, self.ratio, self.noise = s.level, s.baseline, s.ratio, s.noise

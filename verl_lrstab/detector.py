@@ -14,72 +14,71 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import asdict, dataclass
 from statistics import median
-from typing import Optional
+from typing import Any, Mapping, Optional, Union
 
 from verl_lrstab._numbers import finite_float
+from verl_lrstab.config import LengthSurgeConfig, options_for
+from verl_lrstab.state_checks import Row, from_state, require
 
 logger = logging.getLogger("verl_lrstab")
 
 _NAN = float("nan")
 
 
+@dataclass
+class RatioState:
+    """:meth:`SurgeDetector.state_dict` as a dataclass (saved as plain types: ``dataclasses.asdict``)."""
+
+    history: list[Row]  # the steps the windows can still reach
+    first_step: Optional[int]  # the first step after skip_first_steps, and its baseline_window values
+    first_values: list[float]
+    streak_start: Optional[int]  # the first step of the current run of steps at the threshold
+    surge_steps: list[int]
+    num_skipped: int
+    last_step: Optional[int]
+    # the last step's measurements (NaN: not formed), reported until the next step forms them
+    level: float
+    baseline: float
+    ratio: float
+
+    def __post_init__(self):
+        require(all(math.isfinite(v) for v in self.first_values), "first_values", self.first_values, "finite numbers")
+        require(all(s >= 0 for s in self.surge_steps), "surge_steps", self.surge_steps, "integer steps >= 0")
+        require(self.num_skipped >= 0, "num_skipped", self.num_skipped, "an integer >= 0")
+
+
 class SurgeDetector:
-    """Detects a response-length surge from one value per step.
+    """Detects a response-length surge from one value per step (``detector: ratio``).
 
     Args:
-        skip_first_steps (int): steps ``<= skip_first_steps`` are ignored (warmup, format
-            learning). Default 10.
-        fast_window (int): span in steps of the median giving the current level. Default 5.
-        horizon (int): the baseline span ends this many steps before the current step.
-            Default 30. Until ``horizon`` steps of history exist, the baseline is the first
-            ``baseline_window`` steps after ``skip_first_steps`` (once they no longer overlap
-            the current window), so early runaways are caught too.
-        baseline_window (int): span in steps of the median giving the baseline. Default 10.
-        ratio_threshold (float): surge condition ``level >= ratio_threshold * baseline``.
-            Default 1.5, must be > 1.
-        patience (int): the condition must hold on consecutive valid observations spanning at
-            least ``patience`` steps (3 observations when every step is logged; 2 in a log
-            written every 5 steps, so sparse logs are not penalised). Default 3.
-        max_surges (int): surges reported at most. Default 1. While more may come, the history
-            is cleared after a surge, so the next one is measured against the post-surge level;
-            otherwise level, baseline and ratio keep being reported.
+        config (LengthSurgeConfig | Mapping | None): the options (:class:`verl_lrstab.config.LengthSurgeConfig`,
+            where each is documented and checked) this detector reads: ``skip_first_steps``,
+            ``fast_window``, ``horizon``, ``baseline_window``, ``ratio_threshold``, ``patience`` and
+            ``max_surges``. A mapping is checked as a YAML node is; ``detector`` must be ``ratio``. None:
+            the defaults.
+
+    Until ``horizon`` steps of history exist, the baseline is the first ``baseline_window`` steps
+    after ``skip_first_steps`` (once they no longer overlap the current window), so early runaways
+    are caught too. The condition must hold on consecutive valid observations spanning at least
+    ``patience`` steps (3 observations when every step is logged; 2 in a log written every 5 steps).
+    While more surges may come (``max_surges``), the history is cleared after a surge, so the next
+    one is measured against the post-surge level; otherwise level, baseline and ratio keep being
+    reported.
 
     Example:
-        >>> det = SurgeDetector(skip_first_steps=0, horizon=5, baseline_window=3, fast_window=2, patience=2)
+        >>> det = SurgeDetector({"skip_first_steps": 0, "horizon": 5, "baseline_window": 3, "fast_window": 2,
+        ...                      "patience": 2})
         >>> [det.update(s, v) for s, v in enumerate([100] * 8 + [300] * 4, start=1)][-4:]
         [False, True, False, False]
     """
 
-    def __init__(
-        self,
-        skip_first_steps: int = 10,
-        fast_window: int = 5,
-        horizon: int = 30,
-        baseline_window: int = 10,
-        ratio_threshold: float = 1.5,
-        patience: int = 3,
-        max_surges: int = 1,
-    ):
-        for name, value, low in (
-            ("skip_first_steps", skip_first_steps, 0),
-            ("fast_window", fast_window, 1),
-            ("horizon", horizon, 1),
-            ("baseline_window", baseline_window, 1),
-            ("patience", patience, 1),
-            ("max_surges", max_surges, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if not (isinstance(ratio_threshold, (int, float)) and ratio_threshold > 1.0):
-            raise ValueError(f"ratio_threshold must be a number > 1, got {ratio_threshold!r}")
-        self.skip_first_steps = skip_first_steps
-        self.fast_window = fast_window
-        self.horizon = horizon
-        self.baseline_window = baseline_window
-        self.ratio_threshold = float(ratio_threshold)
-        self.patience = patience
-        self.max_surges = max_surges
+    def __init__(self, config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None):
+        c = options_for(config, "SurgeDetector", detector=("ratio",))
+        self.skip_first_steps, self.max_surges, self.patience = c.skip_first_steps, c.max_surges, c.patience
+        self.fast_window, self.horizon, self.baseline_window = c.fast_window, c.horizon, c.baseline_window
+        self.ratio_threshold = c.ratio_threshold
         self._reset_history()
         self.level = _NAN
         self.baseline = _NAN
@@ -156,29 +155,20 @@ class SurgeDetector:
                 if math.isfinite(v)}
 
     def state_dict(self) -> dict:
-        """The full state as plain Python types (safe for ``torch.load(weights_only=True)``)."""
-        return {
-            "history": [[s, v] for s, v in self._history],
-            "first_step": self._first_step,
-            "first_values": list(self._first_values),
-            "streak_start": self._streak_start,
-            "surge_steps": list(self.surge_steps),
-            "num_skipped": self.num_skipped,
-            "last_step": self.last_step,
-            "level": self.level,
-            "baseline": self.baseline,
-            "ratio": self.ratio,
-        }
+        """The full state, :class:`RatioState` as plain Python types (safe for ``torch.load(weights_only=True)``)."""
+        return asdict(RatioState(history=[[s, v] for s, v in self._history], first_step=self._first_step,
+                                 first_values=list(self._first_values), streak_start=self._streak_start,
+                                 surge_steps=list(self.surge_steps), num_skipped=self.num_skipped,
+                                 last_step=self.last_step, level=self.level, baseline=self.baseline, ratio=self.ratio))
 
     def load_state_dict(self, state: dict) -> None:
-        self._history = [(int(s), float(v)) for s, v in state["history"]]
-        self._first_step = state["first_step"]
-        self._first_values = [float(v) for v in state["first_values"]]
-        self._streak_start = state["streak_start"]
-        self.surge_steps = [int(s) for s in state["surge_steps"]]
-        self.num_skipped = int(state["num_skipped"])
-        self.last_step = state["last_step"]
-        self.level, self.baseline, self.ratio = state["level"], state["baseline"], state["ratio"]
+        """Restore :meth:`state_dict`; a state this detector cannot read (a field missing, unknown or of another
+        type) raises :class:`~verl_lrstab.state_checks.StateFieldError` naming the field."""
+        s = from_state(RatioState, state, "detector")
+        self._history = [(step, value) for step, value in s.history]
+        self._first_step, self._first_values, self._streak_start = s.first_step, s.first_values, s.streak_start
+        self.surge_steps, self.num_skipped, self.last_step = s.surge_steps, s.num_skipped, s.last_step
+        self.level, self.baseline, self.ratio = s.level, s.baseline, s.ratio
 
     # -- helpers ----------------------------------------------------------------------------
     def _reset_history(self) -> None:

@@ -1,8 +1,8 @@
 """Mismatch-budget trigger: fires once the mismatch KL stays above a budget (pure Python).
 
-The budget is either given (``budget``), or calibrated from the run's own early steps: after
-``skip_first_steps``, the first ``calibration_steps`` valid values give a robust baseline
-(their median) and ``budget = max(budget_factor * baseline, min_budget)``. The trigger then
+The budget is either given (``mismatch_budget``), or calibrated from the run's own early steps:
+after ``skip_first_steps``, the first ``mismatch_calibration_steps`` valid values give a robust
+baseline (their median) and ``budget = max(mismatch_budget_factor * baseline, min_budget)``. The trigger then
 fires when the value exceeds the budget on ``patience`` consecutive valid steps, at most once.
 
 Why calibrate: the mismatch between two engines depends on the model, the dtypes and the
@@ -16,71 +16,66 @@ test); the same shape as the length detector (3 steps of patience, warmup skippe
 from __future__ import annotations
 
 import logging
-import math
+from dataclasses import asdict, dataclass
 from statistics import median
-from typing import Optional
+from typing import Any, Mapping, Optional, Union
 
 from verl_lrstab._numbers import finite_float
+from verl_lrstab.config import LengthSurgeConfig, options_for
+from verl_lrstab.state_checks import from_state, require
 
 logger = logging.getLogger("verl_lrstab")
+
+
+@dataclass
+class MismatchTriggerState:
+    """:meth:`MismatchTrigger.state_dict` as a dataclass (saved as plain types: ``dataclasses.asdict``)."""
+
+    calibration: list[float]  # the valid values seen while calibrating
+    baseline: Optional[float]  # their median, once calibrated
+    calibrated_budget: Optional[float]
+    streak: int  # consecutive valid steps above the budget
+    fired_step: Optional[int]
+    num_skipped: int
+    last_step: Optional[int]
+
+    def __post_init__(self):
+        require(self.streak >= 0, "streak", self.streak, "an integer >= 0")
+        require(self.num_skipped >= 0, "num_skipped", self.num_skipped, "an integer >= 0")
 
 
 class MismatchTrigger:
     """Fires when a mismatch figure (``mismatch/k3`` by default, chosen by the caller) exceeds a budget.
 
     Args:
-        budget (float | None): fixed budget (> 0). Default None: calibrated.
-        budget_factor (float): calibrated budget = ``budget_factor`` x median of the calibration
-            values. Default 4.0 (> 0).
-        calibration_steps (int): valid values after ``skip_first_steps`` that calibrate the
-            budget; they are never tested against it. Default 10 (>= 1). Ignored with ``budget``.
-        skip_first_steps (int): steps ``<= skip_first_steps`` are ignored entirely (warmup:
-            the first updates move the policy most). Default 10 (>= 0), as the length detector.
-        patience (int): consecutive valid steps above the budget needed to fire. Default 3 (>= 1).
-        min_budget (float): floor of the calibrated budget (>= 0), so a run whose engines agree
-            (almost) exactly, baseline ~0, does not fire on the first rounding difference.
-            Default 1e-6 nats/token: below the bf16-vs-fp32 k3 measured even on random-init tiny
-            Qwen2 models (1.3e-6 and 4.4e-6, ``scripts/bench_overhead.py``).
+        config (LengthSurgeConfig | Mapping | None): the options (:class:`verl_lrstab.config.LengthSurgeConfig`,
+            where each is documented and checked) this trigger reads: ``mismatch_budget`` (fixed; None:
+            calibrated), ``mismatch_budget_factor``, ``mismatch_calibration_steps``, ``skip_first_steps``
+            (steps ignored entirely, as by the length detector) and ``patience`` (consecutive valid steps
+            above the budget). A mapping is checked as a YAML node is; ``trigger`` must be ``mismatch`` or
+            ``either``. None: the defaults.
 
-    NaN, inf, None and non-numbers are skipped with a warning: they neither count as an
-    exceedance nor break a streak.
+    The calibrated budget has a floor, :attr:`min_budget`, so a run whose engines agree (almost)
+    exactly, baseline ~0, does not fire on the first rounding difference. NaN, inf, None and
+    non-numbers are skipped with a warning: they neither count as an exceedance nor break a streak.
 
     Example:
-        >>> trig = MismatchTrigger(skip_first_steps=0, calibration_steps=3, patience=2)
+        >>> trig = MismatchTrigger({"skip_first_steps": 0, "mismatch_calibration_steps": 3, "patience": 2})
         >>> [trig.update(s, v) for s, v in enumerate([1e-4, 2e-4, 1e-4, 3e-4, 9e-4, 9e-4, 9e-4], start=1)]
         [False, False, False, False, False, True, False]
         >>> trig.budget, trig.fired_step
         (0.0004, 6)
     """
 
-    def __init__(
-        self,
-        budget: Optional[float] = None,
-        budget_factor: float = 4.0,
-        calibration_steps: int = 10,
-        skip_first_steps: int = 10,
-        patience: int = 3,
-        min_budget: float = 1e-6,
-    ):
-        for name, value, low in (
-            ("calibration_steps", calibration_steps, 1),
-            ("skip_first_steps", skip_first_steps, 0),
-            ("patience", patience, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if budget is not None and not (finite_float(budget) is not None and budget > 0):
-            raise ValueError(f"mismatch budget must be null or a finite number > 0, got {budget!r}")
-        if not (finite_float(budget_factor) is not None and budget_factor > 0):
-            raise ValueError(f"budget_factor must be a finite number > 0, got {budget_factor!r}")
-        if not (finite_float(min_budget) is not None and min_budget >= 0):
-            raise ValueError(f"min_budget must be a finite number >= 0, got {min_budget!r}")
-        self.fixed_budget = None if budget is None else float(budget)
-        self.budget_factor = float(budget_factor)
-        self.calibration_steps = calibration_steps
-        self.skip_first_steps = skip_first_steps
-        self.patience = patience
-        self.min_budget = float(min_budget)
+    #: Floor of the calibrated budget: 1e-6 nats/token, below the bf16-vs-fp32 k3 measured even on
+    #: random-init tiny Qwen2 models (1.3e-6 and 4.4e-6, ``scripts/bench_overhead.py``).
+    min_budget = 1e-6
+
+    def __init__(self, config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None):
+        c = options_for(config, "MismatchTrigger", trigger=("mismatch", "either"))
+        self.fixed_budget, self.budget_factor = c.mismatch_budget, c.mismatch_budget_factor
+        self.calibration_steps, self.skip_first_steps, self.patience = (c.mismatch_calibration_steps,
+                                                                        c.skip_first_steps, c.patience)
         self._calibration: list[float] = []
         self.baseline: Optional[float] = None  # median of the calibration values
         self._calibrated_budget: Optional[float] = None
@@ -127,24 +122,16 @@ class MismatchTrigger:
         return False
 
     def state_dict(self) -> dict:
-        """The state as plain Python types (safe for ``torch.load(weights_only=True)``)."""
-        return {
-            "calibration": list(self._calibration),
-            "baseline": self.baseline,
-            "calibrated_budget": self._calibrated_budget,
-            "streak": self._streak,
-            "fired_step": self.fired_step,
-            "num_skipped": self.num_skipped,
-            "last_step": self.last_step,
-        }
+        """The state, :class:`MismatchTriggerState` as plain Python types (safe for ``torch.load(weights_only=True)``)."""
+        return asdict(MismatchTriggerState(calibration=list(self._calibration), baseline=self.baseline,
+                                           calibrated_budget=self._calibrated_budget, streak=self._streak,
+                                           fired_step=self.fired_step, num_skipped=self.num_skipped,
+                                           last_step=self.last_step))
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`. A fixed ``budget`` given now still wins over a calibrated one."""
-        self._calibration = [float(v) for v in state["calibration"]]
-        self.baseline = None if state["baseline"] is None else float(state["baseline"])
-        cb = state["calibrated_budget"]
-        self._calibrated_budget = None if cb is None else float(cb)
-        self._streak = int(state["streak"])
-        self.fired_step = None if state["fired_step"] is None else int(state["fired_step"])
-        self.num_skipped = int(state["num_skipped"])
-        self.last_step = state["last_step"]
+        """Restore :meth:`state_dict` (a field missing, unknown or of another type raises
+        :class:`~verl_lrstab.state_checks.StateFieldError` naming it). A fixed ``mismatch_budget`` given now
+        still wins over a calibrated one."""
+        s = from_state(MismatchTriggerState, state, "mismatch_trigger")
+        self._calibration, self.baseline, self._calibrated_budget = s.calibration, s.baseline, s.calibrated_budget
+        self._streak, self.fired_step, self.num_skipped, self.last_step = s.streak, s.fired_step, s.num_skipped, s.last_step

@@ -23,11 +23,48 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 from verl_lrstab._numbers import finite_float
 from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig
-from verl_lrstab.cusum import CusumDetector
-from verl_lrstab.detector import SurgeDetector
+from verl_lrstab.cusum import CusumDetector, CusumState
+from verl_lrstab.detector import RatioState, SurgeDetector
+from verl_lrstab.mismatch_trigger import MismatchTrigger, MismatchTriggerState
+from verl_lrstab.state_checks import from_state, require
 
-#: The detectors by ``length_surge.detector`` (one interface: ``update``, ``observe``, ``metrics``, ``reads``).
+#: The detectors by ``length_surge.detector`` (one interface: ``update``, ``observe``, ``metrics``, ``reads``,
+#: ``state_dict``), and the dataclasses their states are.
 DETECTORS = {"cusum": CusumDetector, "ratio": SurgeDetector}
+DETECTOR_STATES = {"cusum": CusumState, "ratio": RatioState}
+#: What started the decay: the length detector, the mismatch trigger, the guard's ``decay_from_step``.
+TRIGGER_SOURCES = ("length", "mismatch", "guard")
+
+
+@dataclass
+class ScheduleState:
+    """:meth:`LengthSurgeSchedule.state_dict` as a dataclass (saved as plain types: ``dataclasses.asdict``)."""
+
+    detector_kind: str  # length_surge.detector
+    detector: dict  # the detector's state (DETECTOR_STATES[detector_kind], read as such)
+    trigger_step: Optional[int]  # the update that started the decay
+    trigger_source: Optional[str]  # TRIGGER_SOURCES
+    # the last update's figures as consumed (NaN: not fed), logged until the next update's
+    response_length: float
+    mismatch_kl: float
+    score: float
+    clip_ratio: float
+    mismatch_trigger: Optional[dict]  # the mismatch trigger's (MismatchTriggerState, read as such); None with trigger: length
+
+    def __post_init__(self):
+        require(self.detector_kind in DETECTORS, "detector_kind", self.detector_kind, f"one of {list(DETECTORS)}")
+        if self.detector_kind in DETECTORS:  # the detector's own fields, read as its state dataclass
+            from_state(DETECTOR_STATES[self.detector_kind], self.detector, "detector")
+        if self.mismatch_trigger is not None:
+            from_state(MismatchTriggerState, self.mismatch_trigger, "mismatch_trigger")
+        require(self.trigger_step is None or self.trigger_step >= 0, "trigger_step", self.trigger_step,
+                "null or an integer >= 0")
+        require(self.trigger_source is None or self.trigger_source in TRIGGER_SOURCES, "trigger_source",
+                self.trigger_source, f"null or one of {list(TRIGGER_SOURCES)}")
+
+    @classmethod
+    def from_state(cls, state) -> "ScheduleState":
+        return from_state(cls, state)
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -79,7 +116,7 @@ class LengthSurgeSchedule:
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
-        self.detector = DETECTORS[self.config.detector](**self.config.detector_kwargs())
+        self.detector = DETECTORS[self.config.detector](self.config)
         self.mismatch_trigger = _make_mismatch_trigger(self.config)
         self.trigger_step: Optional[int] = None  # the update that started the decay
         self.trigger_source: Optional[str] = None  # "length" or "mismatch"
@@ -169,34 +206,27 @@ class LengthSurgeSchedule:
         return warmup_scale(completed_updates, self.warmup_steps) * self.decay_scale(completed_updates + 1)
 
     def state_dict(self) -> dict:
-        state = {
-            "detector_kind": self.config.detector,
-            "detector": self.detector.state_dict(),
-            "trigger_step": self.trigger_step,
-            "trigger_source": self.trigger_source,
-            "response_length": self.response_length,
-            "mismatch_kl": self.mismatch_kl,
-            "score": self.score,
-            "clip_ratio": self.clip_ratio,
-        }
-        if self.mismatch_trigger is not None:
-            state["mismatch_trigger"] = self.mismatch_trigger.state_dict()
-        return state
+        """The state, :class:`ScheduleState` as plain Python types (safe for ``torch.load(weights_only=True)``)."""
+        return dataclasses.asdict(ScheduleState(
+            detector_kind=self.config.detector, detector=self.detector.state_dict(), trigger_step=self.trigger_step,
+            trigger_source=self.trigger_source, response_length=self.response_length, mismatch_kl=self.mismatch_kl,
+            score=self.score, clip_ratio=self.clip_ratio,
+            mismatch_trigger=None if self.mismatch_trigger is None else self.mismatch_trigger.state_dict()))
 
     def load_state_dict(self, state: dict) -> None:
-        kind = state.get("detector_kind", "ratio")  # states saved before the CUSUM detector hold the ratio one
-        if kind != self.config.detector:
-            raise ValueError(f"the checkpoint's length-surge state was written by detector {kind!r}, the config "
-                             f"says {OPTIONS_KEY}.detector={self.config.detector!r}: "
-                             f"set detector: {kind} to resume this run")
+        """Restore :meth:`state_dict` (read as :class:`ScheduleState`: a field missing, unknown or of another type
+        raises :class:`~verl_lrstab.state_checks.StateFieldError` naming it). A checkpoint without the mismatch
+        trigger's state (written with ``trigger: length``) leaves this run's trigger to calibrate afresh."""
+        saved = ScheduleState.from_state(state)
+        if saved.detector_kind != self.config.detector:
+            raise ValueError(f"the checkpoint's length-surge state was written by detector {saved.detector_kind!r}, "
+                             f"the config says {OPTIONS_KEY}.detector={self.config.detector!r}: "
+                             f"set detector: {saved.detector_kind} to resume this run")
         self.detector.load_state_dict(state["detector"])
-        self.trigger_step = state["trigger_step"]
-        self.trigger_source = state["trigger_source"]
-        self.response_length = state.get("response_length", math.nan)
-        self.mismatch_kl = state.get("mismatch_kl", math.nan)
-        self.score = state.get("score", math.nan)
-        self.clip_ratio = state.get("clip_ratio", math.nan)
-        if self.mismatch_trigger is not None and "mismatch_trigger" in state:
+        self.trigger_step, self.trigger_source = saved.trigger_step, saved.trigger_source
+        self.response_length, self.mismatch_kl = saved.response_length, saved.mismatch_kl
+        self.score, self.clip_ratio = saved.score, saved.clip_ratio
+        if self.mismatch_trigger is not None and saved.mismatch_trigger is not None:
             self.mismatch_trigger.load_state_dict(state["mismatch_trigger"])
         self._force_decay()
 
@@ -227,17 +257,7 @@ class LengthSurgeSchedule:
 
 
 def _make_mismatch_trigger(config: LengthSurgeConfig):
-    if config.trigger == "length":
-        return None
-    from verl_lrstab.mismatch_trigger import MismatchTrigger
-
-    return MismatchTrigger(
-        budget=config.mismatch_budget,
-        budget_factor=config.mismatch_budget_factor,
-        calibration_steps=config.mismatch_calibration_steps,
-        skip_first_steps=config.skip_first_steps,
-        patience=config.patience,
-    )
+    return None if config.trigger == "length" else MismatchTrigger(config)
 
 
 def _or_nan(value: Optional[float]) -> float:

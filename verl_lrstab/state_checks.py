@@ -10,8 +10,9 @@ Pure: plain Python (the state is what ``torch.load(weights_only=True)`` gives).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Tuple, Union, get_args, get_origin, get_type_hints
 
 
 class SchedulerStateError(ValueError):
@@ -110,80 +111,105 @@ def check_megatron_scheduler_state(state: Any, own_key: str = "length_surge") ->
             check_schedule_state(own["schedule"], step)
 
 
-def _check_rows(c, name: str, value) -> None:
-    if not isinstance(value, (list, tuple)):
-        c.fail(name, value, "a list of [step, value] rows")
-    for i, row in enumerate(value):
-        if not isinstance(row, (list, tuple)) or len(row) != 2 or not _integer(row[0]) or not _finite(row[1]):
-            c.fail(f"{name}[{i}]", row, "a row [integer step, finite value]")
-
-
 def check_schedule_state(state: Any, step: Optional[int] = None) -> None:
-    """``LengthSurgeSchedule.state_dict()``: the trigger and the detector's fields (every key a
-    fresh detector of the saved kind saves, each of its type; rows ``[step, finite value]``)."""
-    from verl_lrstab.cusum import CusumDetector
-    from verl_lrstab.detector import SurgeDetector
+    """``LengthSurgeSchedule.state_dict()``, read as :class:`verl_lrstab.schedule.ScheduleState` (every field of
+    it and of the detector's and trigger's states present, known and of its type; rows ``[step, finite value]``)."""
+    from verl_lrstab.schedule import ScheduleState
 
     c = _Checker(step, "length_surge state")
-    if not isinstance(state, dict):
-        c.fail("schedule", type(state).__name__, "a mapping")
-    kind = state.get("detector_kind", "ratio")
-    if kind not in ("cusum", "ratio"):
-        c.fail("detector_kind", kind, "'cusum' or 'ratio'")
-    trigger = c.need(state, "trigger_step")
-    if trigger is not None and (not _integer(trigger) or trigger < 0):
-        c.fail("trigger_step", trigger, "null or an integer >= 0")
-    detector = c.need(state, "detector")
-    if not isinstance(detector, dict):
-        c.fail("detector", detector, "a mapping")
-    cls = CusumDetector if kind == "cusum" else SurgeDetector
-    fresh = cls().state_dict()
-    for key in sorted(set(detector) - set(fresh), key=str):  # no older state format is read
-        c.fail(f"detector.{key}", detector[key], f"absent (not a field of the {kind} detector's state)")
-    for key, empty in fresh.items():
-        name = f"detector.{key}"
-        if key not in detector:
-            c.fail(name, MISSING, "the key to be present")
-        value = detector[key]
-        if key == "rows":
-            if not isinstance(value, dict) or set(value) != set(empty):
-                c.fail(name, value, f"a mapping of {sorted(empty)}")
-            columns = {f"rows.{k}": v for k, v in value.items() if k != "co"}
-            if not isinstance(value["co"], dict) or set(value["co"]) != set(empty["co"]):
-                c.fail(f"{name}.co", value["co"], f"a mapping of {sorted(empty['co'])}")
-            columns.update({f"rows.co.{k}": v for k, v in value["co"].items()})
-            for col, rows in columns.items():
-                _check_rows(c, f"detector.{col}", rows)
-        elif key == "history":
-            _check_rows(c, name, value)
-        elif key == "alarm" and kind == "cusum":
-            from dataclasses import fields
+    try:
+        ScheduleState.from_state(state)
+    except StateFieldError as err:
+        c.fail(err.field, err.value, err.expected)
 
-            from verl_lrstab.cusum import Alarm
 
-            names = sorted(f.name for f in fields(Alarm))
-            if value is not None and (not isinstance(value, dict) or sorted(value) != names):
-                c.fail(name, value, f"null or a mapping of {names}")
-        elif key == "fired_by":
-            if not isinstance(value, list) or not all(isinstance(w, str) for w in value):
-                c.fail(name, value, "a list of the ways that fired")
-        elif key == "surge_steps":
-            if not isinstance(value, (list, tuple)) or not all(_integer(s) and s >= 0 for s in value):
-                c.fail(name, value, "a list of integer steps >= 0")
-        elif key == "first_values":
-            if not isinstance(value, (list, tuple)) or not all(_finite(v) for v in value):
-                c.fail(name, value, "a list of finite numbers")
-        elif key == "num_skipped":
-            if not _integer(value) or value < 0:
-                c.fail(name, value, "an integer >= 0")
-        elif key in ("last_step", "first_step", "streak_start"):
-            if value is not None and not _integer(value):
-                c.fail(name, value, "null or an integer step")
-        elif key == "cusum":
-            if not _finite(value) or value < 0:
-                c.fail(name, value, "a finite number >= 0")
-        elif isinstance(empty, float):  # level, baseline, ratio, ...: NaN means "not formed yet"
-            if not _number(value):
-                c.fail(name, value, "a number (NaN when not formed yet)")
-        elif isinstance(empty, (list, dict)) and not isinstance(value, type(empty)) and value is not None:
-            c.fail(name, value, f"a {type(empty).__name__}")
+# -- typed states: a dataclass read back from its plain form, each field checked --------------------------
+class StateFieldError(ValueError):
+    """A field of a saved state that cannot be read: its dotted ``field``, its ``value``, what was ``expected``."""
+
+    def __init__(self, field: str, value: Any, expected: str):
+        self.field, self.value, self.expected = field, value, expected
+        super().__init__(f"{field}={_shown(value)}, expected {expected}")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def require(ok: bool, field: str, value: Any, expected: str) -> None:
+    """A dataclass state's own bound (its ``__post_init__``): refused naming ``field`` unless ``ok``."""
+    if not ok:
+        raise StateFieldError(field, value, expected)
+
+
+#: A ``[step, value]`` row of a detector's history (saved as a list).
+Row = Tuple[int, float]
+
+
+def from_state(cls: type, state: Any, path: str = "") -> Any:
+    """The dataclass ``cls`` from its plain form (``dataclasses.asdict``): every field present and known, each
+    value of its annotated type (``int``, ``float``, ``str``, ``Optional``, ``list``, ``dict[str, ...]``,
+    :data:`Row`, a nested dataclass), the dataclass's own bounds (``__post_init__``, :func:`require`)
+    met. Anything else raises :class:`StateFieldError` naming the field as ``path.field``."""
+    return _read(cls, state, path)
+
+
+def _read(kind, value, path: str):
+    name = path or "state"
+    origin, args = get_origin(kind), get_args(kind)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise StateFieldError(name, value, f"a mapping of {sorted(f.name for f in dataclasses.fields(kind))}")
+        hints = get_type_hints(kind)
+        known = [f.name for f in dataclasses.fields(kind) if f.init]
+        prefix = f"{path}." if path else ""
+        for key in sorted(set(value) - set(known), key=str):  # no older state format is read
+            raise StateFieldError(f"{prefix}{key}", value[key], f"absent (not a field of {kind.__name__})")
+        for key in known:
+            if key not in value:
+                raise StateFieldError(f"{prefix}{key}", MISSING, "the key to be present")
+        fields = {key: _read(hints[key], value[key], f"{prefix}{key}") for key in known}
+        try:
+            return kind(**fields)
+        except StateFieldError as err:
+            raise StateFieldError(f"{prefix}{err.field}", err.value, err.expected) from None
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        try:
+            return _read(inner, value, path)
+        except StateFieldError as err:
+            if err.field != name:  # a field inside the value
+                raise
+            raise StateFieldError(err.field, err.value, f"null or {err.expected}") from None
+    if kind is Row:
+        if not (isinstance(value, (list, tuple)) and len(value) == 2 and _integer(value[0]) and _finite(value[1])):
+            raise StateFieldError(name, value, "a row [integer step, finite value]")
+        return [value[0], value[1]]
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise StateFieldError(name, value, f"a list of {_what(args[0])}")
+        return [_read(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise StateFieldError(name, value, f"a mapping of names to {_what(args[1])}")
+        return {k: _read(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    if kind is int and not _integer(value):
+        raise StateFieldError(name, value, "an integer")
+    if kind is float and not _number(value):
+        raise StateFieldError(name, value, "a number (NaN when not formed yet)")
+    if kind in (str, bool) and not isinstance(value, kind):
+        raise StateFieldError(name, value, _what(kind))
+    if kind is float:
+        return float(value)
+    return value
+
+
+def _what(kind) -> str:
+    if kind is Row:
+        return "rows [integer step, finite value]"
+    if dataclasses.is_dataclass(kind):
+        return f"{kind.__name__} mappings"
+    return {int: "integers", float: "numbers", str: "text", bool: "true or false"}.get(kind, str(kind))
