@@ -197,6 +197,10 @@ def test_the_length_surge_snippet_exposes_the_options_a_user_tunes_for_the_defau
     shown = OmegaConf.load(CONFIG_DIR / "_length_surge.yaml").actor_rollout_ref.actor.optim.length_surge
     assert set(shown) == {f.name for f in fields(LengthSurgeConfig)} - NOT_EXPOSED
     assert shown.detector == LengthSurgeConfig().detector == "cusum"
+    # "at their defaults": the config's, so a default changed there cannot linger here
+    defaults = LengthSurgeConfig()
+    differ = {k: (v, getattr(defaults, k)) for k, v in shown.items() if v != getattr(defaults, k)}
+    assert not differ, f"_length_surge.yaml (value, LengthSurgeConfig's default): {differ}"
 
 
 def _compose_in(config_dir: Path, name: str, overrides=()):

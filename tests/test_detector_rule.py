@@ -100,10 +100,3 @@ def test_torch_step_and_verl_observe_update_decide_alike(cls):
         assert a.get_last_lr() == b.get_last_lr()
     assert a.schedule.surge_step == b.schedule.surge_step is not None
     assert a.schedule.detector.state_dict() == b.schedule.detector.state_dict()
-
-
-def test_step_refuses_an_unknown_figure_by_name():
-    opt, sched = _torch_sched()
-    opt.step()
-    with pytest.raises(ValueError, match="unknown co-signal 'entropi'"):
-        sched.step(500.0, entropi=0.3)

@@ -152,6 +152,63 @@ def test_a_cusum_state_missing_a_field_or_with_an_unknown_one_is_refused_naming_
         LengthSurgeLR(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)).load_state_dict(state)
 
 
+def cusum_state():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)
+    sched = LengthSurgeLR(opt)
+    for s in range(1, 41):  # a length step up at 30 with a rising score: an alarm armed, held
+        opt.step()
+        sched.step(1000.0 * (1.6 if s >= 30 else 1.0) * (1.01 if s % 2 else 0.99), score=0.5 + 0.01 * max(0, s - 28))
+    state = sched.state_dict()
+    assert state["schedule"]["detector"]["alarm"] is not None
+    return state
+
+
+@pytest.mark.parametrize("path,value,field", [
+    (("alarm",), 5, r"detector\.alarm=5, expected null or a mapping of \['baseline', 'is_return', 'step'\]"),
+    (("alarm", "step"), "31", r"detector\.alarm\.step='31', expected an integer"),
+    (("alarm", "is_return"), 1, r"detector\.alarm\.is_return=1, expected true or false"),
+    (("alarm", "armed"), True, r"detector\.alarm\.armed=True, expected absent"),
+    (("alarm", "baseline"), KeyError, r"detector\.alarm\.baseline=<missing>"),
+    (("watch",), None, r"detector\.watch=None, expected absent \(not a field of CusumState\)"),
+    (("cusum",), -1.0, r"detector\.cusum=-1\.0, expected a finite number >= 0"),
+    (("fired_by",), ["scores"], r"detector\.fired_by=\['scores'\], expected ways among"),
+    (("rows", "co", "entropy"), KeyError, r"detector\.rows\.co=\[.*\], expected a mapping of"),
+    (("rows", "score", 0), [1, "x"], r"detector\.rows\.score\[0\]=\[1, 'x'\], expected a row"),
+    (("level",), "1000", r"detector\.level='1000', expected a number"),
+])
+def test_a_cusum_state_it_cannot_read_is_refused_naming_the_field(path, value, field):
+    state = cusum_state()
+    if path[:2] == ("rows", "score"):
+        assert state["schedule"]["detector"]["rows"]["score"]
+    _set(state["schedule"]["detector"], path, value)
+    with pytest.raises(SchedulerStateError, match=rf"the checkpoint at update 40: .*{field}"):
+        fresh_default().load_state_dict(state)
+
+
+def test_the_detector_alone_refuses_what_it_cannot_read_naming_the_field():
+    from verl_lrstab.cusum import CusumDetector
+    from verl_lrstab.detector import SurgeDetector
+    from verl_lrstab.mismatch_trigger import MismatchTrigger
+    from verl_lrstab.state_checks import StateFieldError
+
+    state = cusum_state()["schedule"]["detector"]
+    state["alarm"]["step"] = 31.0
+    with pytest.raises(StateFieldError, match=r"detector\.alarm\.step=31\.0, expected an integer"):
+        CusumDetector().load_state_dict(state)
+    ratio = SurgeDetector(FAST).state_dict()
+    ratio["streak_start"] = "3"
+    with pytest.raises(StateFieldError, match=r"detector\.streak_start='3', expected null or an integer"):
+        SurgeDetector(FAST).load_state_dict(ratio)
+    trigger = MismatchTrigger().state_dict()
+    del trigger["streak"]
+    with pytest.raises(StateFieldError, match=r"mismatch_trigger\.streak=<missing>"):
+        MismatchTrigger().load_state_dict(trigger)
+
+
+def fresh_default():
+    return LengthSurgeLR(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6))
+
+
 def test_a_sound_state_still_round_trips():
     state = trained_state()
     sched = fresh()

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Union
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from verl_lrstab.config import OPTIM_KEY, SCHEDULER_NAME, LengthSurgeConfig
-from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule
+from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule, UpdateFigures, cosignal_figures
 from verl_lrstab.state_checks import check_megatron_scheduler_state
 
 logger = logging.getLogger("verl_lrstab")
@@ -45,8 +45,7 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
             is ``"length_surge"``; ``lr_decay_steps`` is only checked, as the stock class does).
 
     One ``step(increment)`` with ``increment > 0`` is one actor update: it consumes the figures
-    handed by :meth:`observe_update` (the verl glue's), the explicit ``response_length`` /
-    ``mismatch_kl`` winning. ``step(0)`` (the constructor's) and the
+    handed by :meth:`observe_update` (the verl glue's), the ones given to it winning. ``step(0)`` (the constructor's) and the
     replay inside ``load_state_dict`` only set the LR: they never feed the detector.
     """
 
@@ -86,15 +85,18 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
         )
 
     def step(self, increment: int = 1, response_length: Optional[float] = None,
-             mismatch_kl: Optional[float] = None, score: Optional[float] = None,
-             clip_ratio: Optional[float] = None, **cosignals: Optional[float]) -> None:
+             mismatch_kl: Optional[float] = None, *, score: Optional[float] = None,
+             clip_ratio: Optional[float] = None, entropy: Optional[float] = None, grad_norm: Optional[float] = None,
+             kl_loss: Optional[float] = None, pg_clipfrac: Optional[float] = None) -> None:
         """Advance ``increment`` steps (verl: 1 per actor update) and set every group's LR and WD; the
         figures as :meth:`verl_lrstab.scheduler.LengthSurgeLR.step` takes them."""
         if self._held:
             return
         if increment > 0 and not self._replaying:
-            self._observe_waiting(self.num_steps + increment, response_length, mismatch_kl, score, clip_ratio,
-                                  cosignals)
+            self._observe_waiting(self.num_steps + increment, UpdateFigures(
+                response_length=response_length, mismatch_kl=mismatch_kl, score=score, clip_ratio=clip_ratio,
+                cosignals=cosignal_figures(entropy=entropy, grad_norm=grad_norm, kl_loss=kl_loss,
+                                           pg_clipfrac=pg_clipfrac)))
         super().step(increment)
 
     def constant_lr(self, max_lr: float) -> float:

@@ -290,6 +290,11 @@ class UpdateFigures:
         return any(v is not None for v in (self.response_length, self.mismatch_kl, self.score, self.clip_ratio))
 
 
+def cosignal_figures(**figures: Optional[float]) -> dict:
+    """The update's own figures given (``entropy=..., grad_norm=...``), the None ones left out."""
+    return {name: value for name, value in figures.items() if value is not None}
+
+
 class FedSchedule:
     """What the torch (``LengthSurgeLR``) and megatron-core schedulers share: a ``schedule``
     (:class:`LengthSurgeSchedule`) fed through :meth:`observe_update` (the verl glue's one way in)
@@ -348,19 +353,17 @@ class FedSchedule:
         finally:
             self._held = False
 
-    def _observe_waiting(self, update: int, response_length: Optional[float], mismatch_kl: Optional[float],
-                         score: Optional[float] = None, clip_ratio: Optional[float] = None,
-                         cosignals: Optional[Mapping[str, Optional[float]]] = None) -> None:
-        """Feed update ``update`` to the schedule, consuming the waiting figures (never reused); explicit
-        figures win. ``cosignals`` (the update's own figures) are observed under ``update`` after its
-        decision, as :meth:`observe_update` does once the update ran: both ways in decide alike."""
+    def _observe_waiting(self, update: int, given: UpdateFigures) -> None:
+        """Feed update ``update`` to the schedule, consuming the waiting figures (never reused); the ones
+        ``given`` to ``step()`` win, figure by figure. Its ``cosignals`` (the update's own figures) are
+        observed under ``update`` after its decision, as :meth:`observe_update` does once the update ran:
+        both ways in decide alike."""
         waiting, self._waiting = self._waiting or UpdateFigures(), None
-        self.schedule.observe(update, waiting.response_length if response_length is None else response_length,
-                              waiting.mismatch_kl if mismatch_kl is None else mismatch_kl,
-                              score=waiting.score if score is None else score,
-                              clip_ratio=waiting.clip_ratio if clip_ratio is None else clip_ratio)
-        if cosignals:
-            self.schedule.observe_cosignals(cosignals, update)
+        pick = lambda name: getattr(waiting if getattr(given, name) is None else given, name)  # noqa: E731
+        self.schedule.observe(update, pick("response_length"), pick("mismatch_kl"), score=pick("score"),
+                              clip_ratio=pick("clip_ratio"))
+        if given.cosignals:
+            self.schedule.observe_cosignals(given.cosignals, update)
 
     def _restore_schedule(self, own: Optional[dict], step) -> None:
         """Restore the schedule's state from a checkpoint (one behaviour for both engines).

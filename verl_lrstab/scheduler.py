@@ -9,7 +9,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule
+from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule, UpdateFigures, cosignal_figures
 from verl_lrstab.state_checks import check_lr_scheduler_state
 
 logger = logging.getLogger("verl_lrstab")
@@ -18,8 +18,8 @@ logger = logging.getLogger("verl_lrstab")
 class LengthSurgeLR(FedSchedule, LRScheduler):
     """Decay the LR when the mean response length surges (arXiv 2602.01826).
 
-    Shaped like ``ReduceLROnPlateau``: call ``step(response_length)`` once per actor update,
-    after ``optimizer.step()``. ``lr = lr0 * warmup * max(min_lr_ratio, gamma ** n)``.
+    Shaped like ``ReduceLROnPlateau``: call ``step(response_length, ...)`` once per actor update,
+    after ``optimizer.step()``, with the figures the detector reads (:meth:`step`). ``lr = lr0 * warmup * max(min_lr_ratio, gamma ** n)``.
 
     Args:
         optimizer (Optimizer): wrapped optimizer.
@@ -51,23 +51,33 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         self._configured_lrs = [group["lr"] for group in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)
 
-    def step(self, response_length: Optional[float] = None, mismatch_kl: Optional[float] = None,
-             score: Optional[float] = None, clip_ratio: Optional[float] = None, **cosignals: Optional[float]) -> None:
+    def step(self, response_length: Optional[float] = None, mismatch_kl: Optional[float] = None, *,
+             score: Optional[float] = None, clip_ratio: Optional[float] = None, entropy: Optional[float] = None,
+             grad_norm: Optional[float] = None, kl_loss: Optional[float] = None,
+             pg_clipfrac: Optional[float] = None) -> None:
         """Advance one actor update, fed every figure the detector reads (None or NaN: not logged).
+
+        The figures the verl glue feeds, so a training loop that passes them here gets the decisions a
+        verl run gets from the same figures.
 
         Args:
             response_length (float | None): the update's batch mean response length (verl's
                 ``response_length/mean``). None or NaN is skipped with a warning.
-            mismatch_kl (float | None): the update's mismatch KL (``trigger: mismatch|either`` and cusum's witness).
+            mismatch_kl (float | None): the batch's mismatch KL (``mismatch/k3``, or the figure
+                ``mismatch_metric`` names): the mismatch trigger's, and a witness of ``detector: cusum``.
             score (float | None): the batch's mean score (verl's ``critic/score/mean``).
-            clip_ratio (float | None): the share of responses at the response cap.
-            **cosignals: the update's own figures: ``entropy``, ``grad_norm``, ``kl_loss``,
-                ``pg_clipfrac`` (verl's ``actor/*``); read from the next update on, as verl's glue feeds them.
+            clip_ratio (float | None): the share of the batch's responses at the response cap.
+            entropy, grad_norm, kl_loss, pg_clipfrac (float | None): the update's own figures (verl's
+                ``actor/entropy``, ``actor/grad_norm``, ``actor/kl_loss``, ``actor/pg_clipfrac``), known
+                once it ran: read from the next update's decision on, as the glue feeds them.
         """
         if self._held:
             return
         if not self._is_initial:
-            self._observe_waiting(self.last_epoch + 1, response_length, mismatch_kl, score, clip_ratio, cosignals)
+            self._observe_waiting(self.last_epoch + 1, UpdateFigures(
+                response_length=response_length, mismatch_kl=mismatch_kl, score=score, clip_ratio=clip_ratio,
+                cosignals=cosignal_figures(entropy=entropy, grad_norm=grad_norm, kl_loss=kl_loss,
+                                           pg_clipfrac=pg_clipfrac)))
         super().step()
 
     def get_lr(self) -> list[float]:
