@@ -10,6 +10,7 @@ since real fast collapses crash ~1.1 x t_surge, long before the paper's first ha
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping, Optional, Union
 
@@ -42,7 +43,7 @@ class LengthSurgeConfig:
     Schedule (``lr(t) = lr0 * max(min_lr_ratio, gamma ** n(t))``, t = actor update, 1-based):
 
     Args:
-        period_factor (float): ``P = round(period_factor * t_surge)``. Default 1.8 (the paper); at most 1000.
+        period_factor (float): ``P = round(period_factor * t_surge)``, in (0, 1000]. Default 1.8 (the paper).
         gamma (float): multiplicative decay per period, in (0, 1). Default 0.5 (halving).
         min_lr_ratio (float): the floor, as a fraction of the initial LR, in (0, 1]. Default 0.1.
         origin (str): where the halvings are counted from. ``"surge"`` (default): the first
@@ -53,15 +54,15 @@ class LengthSurgeConfig:
             ``P = 1.8 x t_surge``, in time only for a collapse near the paper's ~2.7 x t_surge.
             A checkpoint written with another origin keeps its own on resume unless ``origin``
             is set explicitly (a running schedule never changes silently).
-        decay_period (int | None): fixed period for the paper's two-run workflow. When set,
+        decay_period (int | None): fixed period for the paper's two-run workflow, in [1, 10000000]. When set,
             the decay follows it from the start (``origin`` is ignored) and the detector only
             reports. Default None (the period comes from the detected surge).
-        decay_from_step (int | None): the guard's rollback (``lrstab guard``): the decay starts
+        decay_from_step (int | None): the guard's rollback (``lrstab guard``), in [0, 10000000]: the decay starts
             at this update whatever the detector says or a checkpoint holds, as ``origin:
             surge`` does (the first halving applies to the first update after it, then one more
             every ``decay_period`` updates, which must be set). Default None.
         guard_rollbacks (int): set by ``lrstab guard``: the rollbacks before this launch, logged
-            as ``actor/lrstab/rollbacks``. Default 0.
+            as ``actor/lrstab/rollbacks`` (>= 0). Default 0.
         trigger (str): what starts the decay: ``"length"`` (default, the paper), ``"mismatch"``
             (the mismatch KL exceeds its budget) or ``"either"`` (whichever fires first).
         detector (str): the length-surge test: ``"cusum"`` (default: CUSUM of noise-scaled
@@ -70,22 +71,22 @@ class LengthSurgeConfig:
             five ways to fire and five holds, docs/detector.md) or ``"ratio"`` (level vs a baseline
             ``horizon`` steps back; its options: ``fast_window``, ``horizon``, ``baseline_window``,
             ``ratio_threshold``, ``patience``).
-        skip_first_steps (int): updates ignored by the detector (warmup, format learning).
+        skip_first_steps (int): updates ignored by the detectors, warmup and format learning (>= 0).
             Default 10.
         fast_window (int): ratio detector: span in steps of the median that gives the current
-            length level. Default 5: a single long batch cannot move it.
+            length level (>= 1). Default 5: a single long batch cannot move it.
         horizon (int): ratio detector: how many steps back the baseline is taken; a rise must happen within
-            about this span to count as a surge. Default 30 (healthy growth of up to ~1.5x
+            about this span to count as a surge (>= 1). Default 30 (healthy growth of up to ~1.5x
             over 100+ steps gives a ratio of ~1.15 over 30 steps; a surge of 1.8x-4x within
             20-40 steps gives 1.5 and more).
         baseline_window (int): ratio detector: span in steps of the median that gives the
-            baseline. Default 10.
+            baseline (>= 1). Default 10.
         ratio_threshold (float): ratio detector: the surge condition: current level >=
-            ratio_threshold x baseline. Default 1.5, must be > 1.
+            ratio_threshold x baseline (> 1). Default 1.5.
         patience (int): consecutive observations that must meet the condition (ratio detector
-            and mismatch trigger). Default 3.
-        cusum_span (int): cusum: steps in the trailing baseline of the log length. Default 20.
-        cusum_lag (int): cusum: the baseline ends this many steps back. Default 3.
+            and mismatch trigger; >= 1). Default 3.
+        cusum_span (int): cusum: steps in the trailing baseline of the log length (>= 1). Default 20.
+        cusum_lag (int): cusum: the baseline ends this many steps back (>= 0). Default 3.
         cusum_drift (float): cusum: CUSUM allowance per step, in noise units (> 0). Default 1.0.
         cusum_threshold (float): cusum: full length evidence, in noise units (> 0); half of it, with the
             newest step at ``cusum_min_rise``, arms an alarm. Default 5.0.
@@ -95,8 +96,8 @@ class LengthSurgeConfig:
             Default 0.05.
         cusum_rebound_margin (float): cusum: a level below this multiple of the run's earlier high is a
             rebound, not a surge (> 1). Default 1.3.
-        cusum_rebound_memory (int): cusum: steps back the earlier high is looked for. Default 100.
-        cusum_confirm_steps (int): cusum: an alarm's longest wait for a way to fire. Default 40.
+        cusum_rebound_memory (int): cusum: steps back the earlier high is looked for (>= 1). Default 100.
+        cusum_confirm_steps (int): cusum: an alarm's longest wait for a way to fire (>= 1). Default 40.
         cusum_score_z (float): cusum: a score fall, or a witness rise, counts beyond this many noise
             units (> 0). Default 3.5.
         cusum_kl_rise (float): cusum: the mismatch KL's least rise over its baseline-window median to
@@ -109,13 +110,13 @@ class LengthSurgeConfig:
         cusum_spike_rise (float): cusum: a one-step spike is a length this multiple of the steps before
             and after it, a jumped row this multiple of the row before (> 1): the score observed on
             either confirms nothing (long answers are more often wrong or cut off). Default 1.2.
-        max_surges (int): how many surges the detector reports per run. Default 1. The
+        max_surges (int): how many surges the detector reports per run (>= 1). Default 1. The
             schedule always follows the first one; later ones are only reported.
         mismatch_budget (float | None): fixed budget on the mismatch KL for the mismatch
-            trigger. Default None: calibrated from the run's own early steps.
+            trigger (> 0). Default None: calibrated from the run's own early steps.
         mismatch_budget_factor (float): calibrated budget = factor x median mismatch KL over
-            ``mismatch_calibration_steps`` valid steps after ``skip_first_steps``. Default 4.0.
-        mismatch_calibration_steps (int): steps used to calibrate the budget. Default 10.
+            ``mismatch_calibration_steps`` valid steps after ``skip_first_steps`` (> 0). Default 4.0.
+        mismatch_calibration_steps (int): steps used to calibrate the budget (>= 1). Default 10.
         mismatch_metric (str): which mismatch figure the trigger watches: ``"k3"`` (default),
             ``"seq_k3"``, ``"max_abs_diff"`` or ``"frac_over_thr"`` (see the mismatch metrics).
         monitor_only (bool): run the detector(s) and log every ``lrstab/*`` and ``mismatch/*``
@@ -128,7 +129,7 @@ class LengthSurgeConfig:
             number there), ``"model"`` (the model's own tokens always) or ``"all"`` (every
             response token always, tool output included). docs/agentic.md.
         dismiss_trigger_step (int | None): the update at which a decay judged a false alarm
-            started (``actor/lrstab/trigger_step``, the update the WARNING names). A run resumed
+            started, in [1, 10000000] (``actor/lrstab/trigger_step``, the update the WARNING names). A run resumed
             from a checkpoint whose decay started at that update resumes at the initial LR with
             the surge detector re-armed from the checkpoint's step; a checkpoint without that
             decay, and a later decay, are not affected, so the option may stay set. Default None.
@@ -201,7 +202,7 @@ class LengthSurgeConfig:
                     "mismatch_calibration_steps"):
             value = getattr(self, key)
             _check(_int(value) and value >= 1, key, value, "an integer >= 1")
-        _check(_num(self.ratio_threshold) > 1.0, "ratio_threshold", self.ratio_threshold, "a number > 1")
+        _check(_finite_above(self.ratio_threshold, 1.0), "ratio_threshold", self.ratio_threshold, "a number > 1")
         _check(self.detector in DETECTORS, "detector", self.detector, f"one of {list(DETECTORS)}")
         for key in ("cusum_span", "cusum_rebound_memory", "cusum_confirm_steps"):
             value = getattr(self, key)
@@ -211,8 +212,7 @@ class LengthSurgeConfig:
             _check(_positive(getattr(self, key)), key, getattr(self, key), "a number > 0")
         for key in ("cusum_min_rise", "cusum_rebound_margin", "cusum_kl_rise", "cusum_runaway_rise",
                     "cusum_spike_rise"):
-            value = getattr(self, key)
-            _check(math.isfinite(_num(value)) and _num(value) > 1.0, key, value, "a number > 1")
+            _check(_finite_above(getattr(self, key), 1.0), key, getattr(self, key), "a number > 1")
         # An option the chosen detector does not read would be a silent no-op: refuse it.
         defaults = {f.name: f.default for f in fields(self)}
         unread = RATIO_ONLY if self.detector != "ratio" else [k for k in defaults if k.startswith("cusum_")]
@@ -274,6 +274,20 @@ class LengthSurgeConfig:
 
 
 
+def option_docs() -> dict[str, tuple[str, str]]:
+    """``name -> (type, text)`` of every option, from the ``Args:`` section of :class:`LengthSurgeConfig`'s
+    docstring (the options' one documentation: the CLI's help and the docs' tables are checked against it)."""
+    docs, name = {}, None
+    for line in (LengthSurgeConfig.__doc__ or "").split("Args:", 1)[-1].splitlines():
+        m = re.match(r"\s{8}(\w+) \(([^)]*)\): (.*)", line)
+        if m:
+            name = m.group(1)
+            docs[name] = (m.group(2), m.group(3).strip())
+        elif name and line.strip():
+            docs[name] = (docs[name][0], docs[name][1] + " " + line.strip())
+    return docs
+
+
 def options_for(options: Union["LengthSurgeConfig", Mapping[str, Any], None], who: str,
                 **selects: tuple) -> "LengthSurgeConfig":
     """The options of a detector or trigger built on its own (``who`` names it in errors).
@@ -304,8 +318,12 @@ def _num(value) -> float:
 
 
 def _positive(value) -> bool:
+    return _finite_above(value, 0.0)
+
+
+def _finite_above(value, low: float) -> bool:
     v = _num(value)
-    return math.isfinite(v) and v > 0
+    return math.isfinite(v) and v > low
 
 
 def _int(value) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import yaml
 
-from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig
+from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig, option_docs
 from verl_lrstab.runs import RunError
 from verl_lrstab.schedule import ReplayResult
 
@@ -31,19 +31,6 @@ RESUME_ONLY = ("dismiss_trigger_step",)
 
 
 # -- scheduler options, generated from LengthSurgeConfig ------------------------------------------
-def _field_docs() -> dict[str, tuple[str, str]]:
-    """``name -> (type, text)`` from the ``Args:`` section of LengthSurgeConfig's docstring."""
-    docs, name = {}, None
-    for line in (LengthSurgeConfig.__doc__ or "").splitlines():
-        m = re.match(r"\s+(\w+) \(([^)]*)\): (.*)", line)
-        if m:
-            name = m.group(1)
-            docs[name] = (m.group(2), m.group(3).strip())
-        elif name and line.strip():
-            docs[name] = (docs[name][0], docs[name][1] + " " + line.strip())
-    return docs
-
-
 def _option_value(text: str):
     # YAML scalars, as in a verl config: 1.8, 198, null, start. LengthSurgeConfig checks types.
     try:
@@ -61,7 +48,7 @@ def _option_value(text: str):
 def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "scheduler options", f"as under {OPTIONS_KEY}; unset ones keep their defaults")
-    docs = _field_docs()
+    docs = option_docs()
     for f in fields(LengthSurgeConfig):
         typ, text = docs.get(f.name, ("", ""))
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_option_value,
