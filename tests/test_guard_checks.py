@@ -193,7 +193,7 @@ def test_a_scheduler_state_for_another_number_of_param_groups_or_with_options_no
     state = scheduler(2).state_dict()
     with pytest.raises(SchedulerStateError, match=r"base_lrs=.*expected 1 learning rate\(s\), one per param group"):
         scheduler(1).load_state_dict(state)
-    with pytest.raises(SchedulerStateError, match=r"options=\['gamma', 0.5\], expected null or a mapping"):
+    with pytest.raises(SchedulerStateError, match=r"options=\['gamma', 0.5\], expected a mapping"):
         scheduler(2).load_state_dict({**state, "options": ["gamma", 0.5]})
     scheduler(2).load_state_dict(state)  # the matching optimizer loads it
 

@@ -123,6 +123,12 @@ def _set(state, path, value):
     (("schedule", "detector", "history", 0), ["a", 1.0], r"detector\.history\[0\]=\['a', 1\.0\]"),
     (("schedule", "detector", "num_skipped"), -1, r"detector\.num_skipped=-1"),
     (("schedule", "trigger_step"), "7", r"trigger_step='7'"),
+    (("schedule", "trigger_source"), "loss", r"trigger_source='loss', expected null or one of"),
+    (("schedule", "detector_kind"), KeyError, r"detector_kind=<missing>"),
+    (("schedule", "mismatch_trigger"), KeyError, r"mismatch_trigger=<missing>"),
+    (("options",), KeyError, r"options=<missing>"),
+    (("options", "origin"), KeyError, r"options\.origin=<missing>"),
+    (("options", "cusum_spam"), 20, r"options\.cusum_spam=20, expected absent \(not a length_surge option\)"),
 ])
 def test_a_damaged_scheduler_state_is_refused_naming_the_step_and_field(path, value, field):
     state = trained_state()
@@ -229,10 +235,16 @@ def test_a_damaged_megatron_scheduler_state_is_refused_naming_the_step_and_field
     pytest.importorskip("megatron.core", reason="needs megatron-core (make install-megatron)")
     from verl_lrstab.state_checks import check_megatron_scheduler_state
 
-    state = {"max_lr": 1e-6, "min_lr": 0.0, "num_steps": 12, "length_surge": {"schedule": trained_state()["schedule"]}}
+    saved = trained_state()
+    state = {"max_lr": 1e-6, "min_lr": 0.0, "num_steps": 12,
+             "length_surge": {"schedule": saved["schedule"], "options": saved["options"]}}
     check_megatron_scheduler_state(copy.deepcopy(state))
     with pytest.raises(SchedulerStateError, match=r"the checkpoint at update 12: .*max_lr=nan"):
         check_megatron_scheduler_state({**state, "max_lr": math.nan})
+    no_options = copy.deepcopy(state)
+    del no_options["length_surge"]["options"]
+    with pytest.raises(SchedulerStateError, match=r"length_surge\.options=<missing>"):
+        check_megatron_scheduler_state(no_options)
     state["length_surge"]["schedule"]["detector"]["history"].append("x")
     with pytest.raises(SchedulerStateError, match=r"the checkpoint at update 12: .*detector\.history\[\d+\]='x'"):
         check_megatron_scheduler_state(state)

@@ -378,17 +378,16 @@ class FedSchedule:
             logger.warning("verl_lrstab: the checkpoint at update %s was saved by another LR schedule (it has no "
                            "length_surge state): the surge detector starts afresh from there", step)
             return
-        saved = own.get("options")
-        if saved and saved.get("origin", "start") != self.config.origin and not self.config.is_given("origin"):
-            # the default changed (start -> surge): a running schedule keeps the rule it was started with
+        saved = own["options"]  # every option (checked with the state: verl_lrstab.state_checks)
+        if saved["origin"] != self.config.origin and not self.config.is_given("origin"):
+            # origin left unset: a running schedule keeps the rule it was started with
             logger.warning("verl_lrstab: the checkpoint at update %s was written with origin %r; this run's "
                            "default is origin %r. Keeping the checkpoint's origin %r so the running LR schedule "
-                           "does not change; set %s.origin explicitly to switch", step, saved.get("origin", "start"),
-                           self.config.origin, saved.get("origin", "start"), OPTIONS_KEY)
-            self.schedule.config = _with_origin(self.config, saved.get("origin", "start"))
-        configured = self.config.to_dict()
-        changed = {k: (saved[k], v) for k, v in configured.items() if k in saved and saved[k] != v} if saved else {}
-        if changed:  # (an option added after the checkpoint was written is not a change)
+                           "does not change; set %s.origin explicitly to switch", step, saved["origin"],
+                           self.config.origin, saved["origin"], OPTIONS_KEY)
+            self.schedule.config = _with_origin(self.config, saved["origin"])
+        changed = {k: (saved[k], v) for k, v in self.config.to_dict().items() if saved[k] != v}
+        if changed:
             logger.warning("verl_lrstab: length_surge options changed since the checkpoint at update %s "
                            "(key: (checkpoint, now)) %s; the configured ones apply from now on, so the decay "
                            "period and the LR may change at once", step, changed)

@@ -134,7 +134,7 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         self.last_epoch = int(state_dict["last_epoch"])
         self._step_count = int(state_dict["_step_count"])
         self._last_lr = list(state_dict["_last_lr"])
-        self._restore_schedule({"schedule": state_dict["schedule"], "options": state_dict.get("options")},
+        self._restore_schedule({"schedule": state_dict["schedule"], "options": state_dict["options"]},
                                self.last_epoch)
         if self.config.decay_from_step is not None:
             # the guard's rollback: the decay is in force from the first update after the resume, not

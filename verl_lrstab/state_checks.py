@@ -84,9 +84,8 @@ def check_lr_scheduler_state(state: Any, step_key: str = "last_epoch", param_gro
         if param_groups is not None and len(lrs) != param_groups:
             c.fail(key, lrs, f"{param_groups} learning rate(s), one per param group of the optimizer it is loaded "
                              "into (the checkpoint's optimizer had another number of param groups)")
-    if state.get("options") is not None and not isinstance(state["options"], dict):
-        c.fail("options", state["options"], "null or a mapping of the length_surge options")
     if "schedule" in state:
+        _check_options(c, state, "options")
         check_schedule_state(state["schedule"], step)
 
 
@@ -108,7 +107,23 @@ def check_megatron_scheduler_state(state: Any, own_key: str = "length_surge") ->
         if not isinstance(own, dict):
             c.fail(own_key, own, "a mapping")
         if own.get("schedule") is not None:
+            _check_options(c, own, f"{own_key}.options")
             check_schedule_state(own["schedule"], step)
+
+
+def _check_options(c: "_Checker", state: dict, name: str) -> None:
+    """The options the schedule was written with: a mapping of every ``LengthSurgeConfig`` key."""
+    from dataclasses import fields
+
+    from verl_lrstab.config import LengthSurgeConfig
+
+    options = c.need(state, "options", name.removesuffix("options"))
+    keys = {f.name for f in fields(LengthSurgeConfig)}
+    if not isinstance(options, dict):
+        c.fail(name, options, "a mapping of the length_surge options")
+    for key in sorted(set(options) ^ keys, key=str):
+        c.fail(f"{name}.{key}", options.get(key, MISSING),
+               "the key to be present" if key in keys else "absent (not a length_surge option)")
 
 
 def check_schedule_state(state: Any, step: Optional[int] = None) -> None:
