@@ -588,7 +588,7 @@ def test_fixed_budget_wins_over_a_restored_calibrated_one():
     ({"trigger": "length"}, "trigger"),
 ])
 def test_trigger_rejects_bad_options_naming_the_key(kwargs, key):
-    with pytest.raises(ValueError, match=rf"actor_rollout_ref\.actor\.optim\.length_surge\.{key}=.* is invalid: allowed values"):
+    with pytest.raises(ValueError, match=rf"actor_rollout_ref\.actor\.optim\.length_surge\.{key}=.* is invalid: allowed"):
         MismatchTrigger(kwargs)
 
 

@@ -62,7 +62,8 @@ def verl_batch(lengths: list[int], right: int):
     for i in range(right):
         scores[i, lengths[i] - 1] = 1.0
     tensors = {"input_ids": torch.ones(N, PROMPT + CAP, dtype=torch.long), "attention_mask": attention,
-               "position_ids": (attention.cumsum(-1) - 1).clamp(min=0), "prompts": torch.ones(N, PROMPT, dtype=torch.long),
+               "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+               "prompts": torch.ones(N, PROMPT, dtype=torch.long),
                "responses": torch.ones(N, CAP, dtype=torch.long), "response_mask": mask,
                "old_log_probs": torch.zeros(N, CAP), "token_level_scores": scores}
     data = left_right_2_no_padding(DataProto.from_dict(tensors=tensors).to_tensordict())

@@ -484,14 +484,16 @@ class CusumDetector:
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The full state, :class:`CusumState` as plain Python types (safe for ``torch.load(weights_only=True)``)."""
-        return asdict(CusumState(rows=self.rows, alarm=self.alarm, cusum=self._cusum, surge_steps=list(self.surge_steps),
-                                 fired_by=list(self.fired_by), num_skipped=self.num_skipped, last_step=self.last_step,
-                                 level=self.level, baseline=self.baseline, ratio=self.ratio, noise=self.noise))
+        return asdict(CusumState(
+            rows=self.rows, alarm=self.alarm, cusum=self._cusum, surge_steps=list(self.surge_steps),
+            fired_by=list(self.fired_by), num_skipped=self.num_skipped, last_step=self.last_step,
+            level=self.level, baseline=self.baseline, ratio=self.ratio, noise=self.noise))
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; a state this detector cannot read (a field missing, unknown or of another
         type) raises :class:`~verl_lrstab.state_checks.StateFieldError` naming the field."""
         s = from_state(CusumState, state, "detector")
         self.rows, self.alarm, self._cusum = s.rows, s.alarm, s.cusum
-        self.surge_steps, self.fired_by, self.num_skipped, self.last_step = s.surge_steps, s.fired_by, s.num_skipped, s.last_step
+        self.surge_steps, self.fired_by = s.surge_steps, s.fired_by
+        self.num_skipped, self.last_step = s.num_skipped, s.last_step
         self.level, self.baseline, self.ratio, self.noise = s.level, s.baseline, s.ratio, s.noise

@@ -122,7 +122,8 @@ class MismatchTrigger:
         return False
 
     def state_dict(self) -> dict:
-        """The state, :class:`MismatchTriggerState` as plain Python types (safe for ``torch.load(weights_only=True)``)."""
+        """The state, :class:`MismatchTriggerState` as plain Python types (safe for
+        ``torch.load(weights_only=True)``)."""
         return asdict(MismatchTriggerState(calibration=list(self._calibration), baseline=self.baseline,
                                            calibrated_budget=self._calibrated_budget, streak=self._streak,
                                            fired_step=self.fired_step, num_skipped=self.num_skipped,
@@ -134,4 +135,5 @@ class MismatchTrigger:
         still wins over a calibrated one."""
         s = from_state(MismatchTriggerState, state, "mismatch_trigger")
         self._calibration, self.baseline, self._calibrated_budget = s.calibration, s.baseline, s.calibrated_budget
-        self._streak, self.fired_step, self.num_skipped, self.last_step = s.streak, s.fired_step, s.num_skipped, s.last_step
+        self._streak, self.fired_step = s.streak, s.fired_step
+        self.num_skipped, self.last_step = s.num_skipped, s.last_step
