@@ -436,7 +436,7 @@ class CusumDetector:
             # k3 doubles over the 20-30 steps before a slow surge's alarm: against its level before the
             # baseline window too (the OLD_STEPS steps that end there), once
             # the level is half-way to min_rise (a KL drifting for 100+ steps is no surge on one long batch)
-            ends = (hi, hi - self.span) if self.ratio >= 1 + (self.min_rise - 1) * HALF else (hi,)
+            ends = (hi, hi - self.span) if self.ratio >= self.min_rise else (hi,)
             up += WITNESSES * any(self._risen(now, self.rows.kl, math.log(self.kl_rise), end, log=True) for end in ends)
         if self.rows.clip:
             up += WITNESSES * self._risen(_recent(self.rows.clip, step), self.rows.clip, self.clip_rise, hi)
