@@ -427,8 +427,10 @@ class CusumDetector:
         for name, rows in self.rows.co.items():
             past = [r for r in rows if r[0] < step]  # read from the next step on (see observe)
             # the last 3 steps read (steps < ``step``); a figure not logged there is held at its last observation
-            now = [v for s, v in past if s >= step - FEW_ROWS] or ([] if fresh else [v for _, v in past[-1:]])
-            up += self._risen(_logs(now), past, math.log(WITNESS_RISE), hi, log=True)
+            now = [r for r in past if r[0] >= step - FEW_ROWS] or ([] if fresh else past[-1:])
+            # the reference ends before the observations it is compared with
+            end = min(hi, now[0][0] - 1) if now else hi
+            up += self._risen(_logs([v for _, v in now]), past, math.log(WITNESS_RISE), end, log=True)
         if fresh:
             return up  # a return's k3 rises with its length (a recovery's did, in a real-model pilot): verl's only
         if self.rows.kl:
