@@ -4,6 +4,8 @@ named, and torch's ``step(...)`` and verl's ``observe_update`` decide alike from
 
 from __future__ import annotations
 
+import ast
+import inspect
 import logging
 import math
 import random
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.cusum import WAYS, CusumDetector
+from verl_lrstab import cusum
+from verl_lrstab.cusum import HOLDS, WAYS, CusumDetector
 from verl_lrstab.schedule import UpdateFigures, replay
 from verl_lrstab.scheduler import LengthSurgeLR
 
@@ -35,6 +38,36 @@ def feed(tr, det=None):
             return s, det
         det.observe(s, **{NAMES[k]: v[i] for k, v in tr.cosignals.items()})
     return None, det
+
+
+def _literals(source: str) -> list:
+    """The numeric literals other than 0, 1 and -1 of ``source`` (the module holding the decision), the
+    constructor's defaults left out (they are its parameters, counted as such)."""
+    tree = ast.parse(source)
+    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    defaults = {id(d) for d in init.args.defaults + init.args.kw_defaults if d is not None}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and type(n.value) in (int, float) and n.value not in (0, 1, -1)
+            and id(n) not in defaults]
+
+
+def test_the_rule_is_small():
+    # at most 30 numbers shape a decision, at most 5 ways to fire and 5 holds, each a method the ablation removes
+    literals = _literals(Path(cusum.__file__).read_text())
+    params = list(inspect.signature(CusumDetector).parameters)
+    assert len(literals) + len(params) <= 30, (literals, params)
+    assert len(WAYS) <= 5 and len(HOLDS) <= 5
+    for name in WAYS:
+        assert callable(getattr(CusumDetector, f"_way_{name}"))
+    for name in HOLDS:
+        assert callable(getattr(CusumDetector, f"_hold_{name}"))
+
+
+def test_the_number_count_counts_each_literal_and_not_0_1_or_the_defaults():
+    source = Path(cusum.__file__).read_text()
+    base = len(_literals(source))
+    assert len(_literals(source + "\nEXTRA = 2.5\nOTHER = 1\nNEG = -1\n")) == base + 1
+    assert len(_literals(source.replace("def __init__(self, ", "def __init__(self, extra: float = 7.5, ", 1))) == base
 
 
 def test_no_way_fires_on_a_noisy_length_at_its_baseline_with_a_growing_kl_loss():

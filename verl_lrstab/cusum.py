@@ -76,11 +76,16 @@ def _window(rows, lo: int, hi: int, min_rows: int = MIN_ROWS) -> list[float]:
     return inside if len(inside) >= min_rows else [v for _, v in upto[-min_rows:]]
 
 
-def _recent(rows, step: int, least: int = FEW_ROWS) -> list[float]:
-    """The last LEVEL_STEPS steps' values, widened back to the last ``least`` observations (a median of 3
+def _recent_rows(rows, step: int, least: int = FEW_ROWS) -> list:
+    """The rows of the last LEVEL_STEPS steps, widened back to the last ``least`` observations (a median of 3
     ignores one odd batch; a figure not logged lately is held at its last observations)."""
-    vals = [v for s, v in rows if s > step - LEVEL_STEPS]
-    return vals if len(vals) >= least else [v for _, v in rows[-least:]]
+    inside = [r for r in rows if r[0] > step - LEVEL_STEPS]
+    return inside if len(inside) >= least else rows[-least:]
+
+
+def _recent(rows, step: int, least: int = FEW_ROWS) -> list[float]:
+    """The values of :func:`_recent_rows`."""
+    return [v for _, v in _recent_rows(rows, step, least)]
 
 
 def _add(rows: list, step: int, v: Optional[float]) -> None:
@@ -343,9 +348,10 @@ class CusumDetector:
                 and math.log(self.level) < old + math.log(self.rebound_margin))
 
     def _hold_learning(self, step: int, a: Alarm) -> bool:
-        """The score's level is ``score_z`` noise units above its pre-alarm level."""
-        z = self._score_z(step)
-        return z is not None and z >= self.score_z
+        """The score's level is ``score_z`` noise units above its pre-alarm level (its last 3 observations
+        suffice: a rise is no long batch's composition)."""
+        zs = [z for z in (self._score_z(step), self._score_z(step, FEW_ROWS)) if z is not None]
+        return bool(zs) and max(zs) >= self.score_z
 
     def _hold_composition(self, step: int) -> set:
         """Steps whose score says nothing of a trend: one-step spikes (rows, whatever the steps between them)
@@ -402,13 +408,14 @@ class CusumDetector:
         drop = self._hold_composition(step)
         return [r for r in self.rows.score if r[0] not in drop]
 
-    def _score_z(self, step: int) -> Optional[float]:
-        """The score's level now against its references, in noise units: the lower of the two (None: no score
-        to compare)."""
+    def _score_z(self, step: int, least: int = LEVEL_STEPS) -> Optional[float]:
+        """The score's level now (at least ``least`` observations) against its references, in noise units: the
+        lower of the two (None: no score to compare)."""
         refs = self._score_refs(step)
-        # at least LEVEL_STEPS observations: in a log written every few steps two long batches in a row score
-        # lower by their composition (long answers are more often wrong or cut off); a median of 5 ignores them
-        now = _recent(self._clean_score(step), step, LEVEL_STEPS) if refs else []
+        # at least LEVEL_STEPS observations for a fall: in a log written every few steps two long batches in a
+        # row score lower by their composition (long answers are more often wrong or cut off); a median of 5
+        # ignores them
+        now = _recent(self._clean_score(step), step, least) if refs else []
         if not now:
             return None
         ref, n_ref, old, n_old, noise = refs
@@ -436,12 +443,19 @@ class CusumDetector:
         if self.rows.kl:
             now = _logs(_recent(self.rows.kl, step))
             # k3 doubles over the 20-30 steps before a slow surge's alarm: against its level before the
-            # baseline window too (the OLD_STEPS steps that end there), once
-            # the level is half-way to min_rise (a KL drifting for 100+ steps is no surge on one long batch)
-            ends = (hi, hi - self.span) if self.ratio >= self.min_rise else (hi,)
-            up += WITNESSES * any(self._risen(now, self.rows.kl, math.log(self.kl_rise), end, log=True) for end in ends)
+            # baseline window too (the OLD_STEPS steps that end there), once the length evidence is full (a KL
+            # drifting for 100+ steps is no surge on one long batch that lifts the CUSUM to half its threshold)
+            ends = (hi, hi - self.span) if self._cusum >= self.threshold and self.ratio >= 1 + (self.min_rise - 1) * HALF else (hi,)
+            risen = any(self._risen(now, self.rows.kl, math.log(self.kl_rise), end, log=True) for end in ends)
+            if not risen and self.ratio >= self.min_rise and now:
+                # k3 grew over the baseline window at least as much as the length did (METHOD.md: the
+                # mismatch grows with the length): the surge's own sign, whatever k3's noise
+                ref = _logs(_window(self.rows.kl, hi - self.span, hi))
+                risen = bool(ref) and median(now) - median(ref) >= max(math.log(self.kl_rise), math.log(self.ratio))
+            up += WITNESSES * risen
         if self.rows.clip:
-            up += WITNESSES * self._risen(_recent(self.rows.clip, step), self.rows.clip, self.clip_rise, hi)
+            recent = _recent_rows(self.rows.clip, step)
+            up += WITNESSES * self._risen([v for _, v in recent], self.rows.clip, self.clip_rise, min(hi, recent[0][0] - 1))
         return up
 
     def _risen(self, now: list, rows: list, least: float, hi: int, log: bool = False) -> bool:
