@@ -241,7 +241,8 @@ class CusumDetector:
             self._prune(step)
             return False
         rows.log.append([step, math.log(number)])
-        rows.high.append([step, median(v for _, v in rows.log[-LEVEL_STEPS:])])
+        if len(rows.log) >= LEVEL_STEPS:  # a level is a median of 5 rows: one long first row is none
+            rows.high.append([step, median(v for _, v in rows.log[-LEVEL_STEPS:])])
         self._prune(step)
         if self._hold_warmup(step) or not self._measure(step):
             return False
@@ -445,8 +446,11 @@ class CusumDetector:
             # k3 doubles over the 20-30 steps before a slow surge's alarm: against its level before the
             # baseline window too (the OLD_STEPS steps that end there), once the length evidence is full (a KL
             # drifting for 100+ steps is no surge on one long batch that lifts the CUSUM to half its threshold)
-            ends = (hi, hi - self.span) if self._cusum >= self.threshold and self.ratio >= 1 + (self.min_rise - 1) * HALF else (hi,)
-            risen = any(self._risen(now, self.rows.kl, math.log(self.kl_rise), end, log=True) for end in ends)
+            risen = self._risen(now, self.rows.kl, math.log(self.kl_rise), hi, log=True)
+            if not risen and self._cusum >= self.threshold and self.ratio >= 1 + (self.min_rise - 1) * HALF:
+                # against the older level: kl_rise twice over (a flat k3 reads kl_rise x a level 25-50 steps
+                # older now and then in a log written every few steps)
+                risen = self._risen(now, self.rows.kl, 2 * math.log(self.kl_rise), hi - self.span, log=True)
             if not risen and self.ratio >= self.min_rise and now:
                 # k3 grew over the baseline window at least as much as the length did (METHOD.md: the
                 # mismatch grows with the length): the surge's own sign, whatever k3's noise
