@@ -4,21 +4,22 @@ The rule, every decision from data up to the current step only (docs/detector.md
 
 **Length alarm.** On log-lengths, a trailing baseline (median of the ``span`` steps that end
 ``lag`` steps back) and a noise scale (1.4826 x their MAD, at least ``noise_floor``) give a
-z-score per step; a one-sided CUSUM ``S = max(0, S + z - drift)`` accumulates it. The alarm is
-raised when ``S >= threshold`` and the level (median of the last 5 steps) is at least
-``min_rise`` x the baseline, unless the run had that level before (a rebound).
+z-score per step; a one-sided CUSUM ``S = max(0, S + z - drift)`` accumulates it. An alarm is
+armed when ``S >= threshold / 2`` and the newest step is at least ``min_rise`` x the baseline,
+unless the run had that level before (a rebound).
 
-**Ways to fire** (:data:`WAYS`), each on an armed alarm whose level is still ``min_rise`` x its
-baseline: the score falls ``score_z`` noise units (``score``); two witnesses have risen, the score
-not rising (``witnesses``: verl's co-signals, the mismatch KL counting as two); no witness is logged
-at all (``length``); the level reaches ``runaway_rise`` x the baseline (``runaway``); and, on a
-return to an earlier high instead of an alarm, the score collapsing or two witnesses rising
-(``return``).
+**Ways to fire** (:data:`WAYS`), each on an armed alarm: the score falls ``score_z`` noise units,
+the level (median of the last 5 steps) at ``min_rise`` x the baseline (``score``); two witnesses have
+risen, the newest step at ``min_rise`` x and the score not rising (``witnesses``: verl's co-signals,
+the mismatch KL and the clip share counting as two); no witness is logged at all, ``S >= threshold``
+and the level at ``min_rise`` x (``length``); the level reaches ``runaway_rise`` x the alarm's
+baseline (``runaway``); and, on a return to an earlier high instead of an alarm, the score
+collapsing or two of verl's co-signals rising with it (``return``).
 
 **Holds** (:data:`HOLDS`): the first ``skip_first_steps`` steps (``warmup``); a level the run had
 before (``rebound``); a rising score (``learning``); a score observed on a one-step spike or a
-row whose length just jumped ``spike_rise`` x (``composition``); an alarm whose level came back
-down or that waited ``confirm_steps`` (``expiry``).
+row whose length just jumped ``spike_rise`` x (``composition``); an alarm whose CUSUM fell back
+to 0 or that waited ``confirm_steps`` (``expiry``).
 
 Windows count steps, not rows, so a log written every 5-10 steps uses the same options; a window
 holding fewer than 8 rows is widened back to 8. NaN, inf, missing and non-positive lengths are
@@ -61,6 +62,9 @@ MEDIAN_SD = math.sqrt(math.pi / 2)
 # at least this multiple of it (a figure logged with few digits has no noise to measure). The mismatch KL
 # (the method's own signal, METHOD.md) and the clip share count as two witnesses, at kl_rise / clip_rise.
 WITNESS_RISE = 1.1
+# k3 against its level before the baseline window must have grown kl_rise ** OLDER_KL_POWER (2.25x): a flat k3 reads
+# 1.5x a level 25-50 steps older now and then in a log written every few steps
+OLDER_KL_POWER = 2
 COSIGNALS = ("entropy", "grad_norm", "kl_loss", "pg_clipfrac")
 WITNESSES = 2  # risen witnesses that confirm: one alone (a grad-norm spike) never does
 # A return collapses when the score's latest observation is at most this share of its pre-alarm level
@@ -364,7 +368,8 @@ class CusumDetector:
         return drop
 
     def _hold_expiry(self, step: int, a: Alarm) -> bool:
-        """The level came back below ``min_rise`` x the alarm's baseline, or the alarm waited ``confirm_steps``."""
+        """The CUSUM fell back to 0 (a return: its last 2 steps below ``min_rise`` x its baseline), or the alarm
+        waited ``confirm_steps``."""
         if a.is_return:
             return self._fast() < self.min_rise * a.baseline or step - a.step > self.confirm_steps
         return self._cusum <= 0 or step - a.step > self.confirm_steps
@@ -427,7 +432,9 @@ class CusumDetector:
 
     def _witnesses(self, step: int, fresh: bool = False) -> int:
         """Risen witnesses, against their medians over the current baseline window (the window the length
-        rose over): each of verl's co-signals (one each), the mismatch KL and the clip share (two each).
+        rose over), ended before the observations compared with it: each of verl's co-signals (one each), the
+        mismatch KL and the clip share (two each). The mismatch KL has also risen where, the level at
+        ``min_rise``, it grew over the baseline window as much as the length did, and ``kl_rise`` (1.5) x.
         ``fresh`` (a return): verl's co-signals only, from their observations of the last FEW_ROWS steps (they
         must rise with the return, not be held at values from before it)."""
         hi = step - self.lag
@@ -443,14 +450,13 @@ class CusumDetector:
             return up  # a return's k3 rises with its length (a recovery's did, in a real-model pilot): verl's only
         if self.rows.kl:
             now = _logs(_recent(self.rows.kl, step))
-            # k3 doubles over the 20-30 steps before a slow surge's alarm: against its level before the
-            # baseline window too (the OLD_STEPS steps that end there), once the length evidence is full (a KL
-            # drifting for 100+ steps is no surge on one long batch that lifts the CUSUM to half its threshold)
             risen = self._risen(now, self.rows.kl, math.log(self.kl_rise), hi, log=True)
             if not risen and self._cusum >= self.threshold and self.ratio >= 1 + (self.min_rise - 1) * HALF:
-                # against the older level: kl_rise twice over (a flat k3 reads kl_rise x a level 25-50 steps
-                # older now and then in a log written every few steps)
-                risen = self._risen(now, self.rows.kl, 2 * math.log(self.kl_rise), hi - self.span, log=True)
+                # k3 doubles over the 20-30 steps before a slow surge's alarm: against its level before the
+                # baseline window too (the OLD_STEPS steps that end there), once the CUSUM is at its threshold
+                # and the level half-way to min_rise (a KL drifting for 100+ steps is no surge on one long
+                # batch that lifts the CUSUM to half its threshold), by kl_rise ** OLDER_KL_POWER
+                risen = self._risen(now, self.rows.kl, OLDER_KL_POWER * math.log(self.kl_rise), hi - self.span, log=True)
             if not risen and self.ratio >= self.min_rise and now:
                 # k3 grew over the baseline window at least as much as the length did (METHOD.md: the
                 # mismatch grows with the length): the surge's own sign, whatever k3's noise
