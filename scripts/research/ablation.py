@@ -55,8 +55,8 @@ def _const(name, value):
 
 
 def _method(name, replacement=_never):
-    """The ways and holds are methods of the rule in candidates/detector_v6.patch: None where the rule
-    under test has no such method (it is then not ablated on it)."""
+    """The ways and holds are methods of the rule (``_way_<name>``, ``_hold_<name>``): None where the rule under
+    test has no such method (it is then not ablated on it)."""
     if not hasattr(_D, name):
         return None
     return lambda stack: stack.enter_context(mock.patch.object(_D, name, replacement))
