@@ -164,12 +164,16 @@ def test_score_z_a_score_fall_confirms_beyond_3_5_noise_units():
     assert fires(STEP, fall(0.04)) == [AT + 4]
 
 
-def test_kl_rise_a_mismatch_kl_grown_1_5x_confirms():
-    # k3 steps up at step 40 (before the length: its rise is against the steps 30-60 back only)
-    def kl(f):
-        return [1e-3 * (f if s >= 40 else 1.0) * alt(s, 0.02) for s in range(1, N + 1)]
-    assert fires(STEP, flat_score(), kl(1.4)) == []
-    assert fires(STEP, flat_score(), kl(1.6)) == [AT + 2]
+def test_kl_rise_a_mismatch_kl_grown_1_5x_confirms_and_2_25x_against_its_older_level():
+    # k3 steps up with the length: against the baseline window, kl_rise x confirms
+    def kl(f, at):
+        return [1e-3 * (f if s >= at else 1.0) * alt(s, 0.02) for s in range(1, N + 1)]
+    assert fires(STEP, flat_score(), kl(1.4, AT)) == []
+    assert fires(STEP, flat_score(), kl(1.6, AT))[:1] == [AT + 2]
+    # k3 steps up at step 40, before the length: only its level before the baseline window is lower, and
+    # there it must have grown kl_rise x twice over (2.25x)
+    assert fires(STEP, flat_score(), kl(2.0, 40)) == []
+    assert fires(STEP, flat_score(), kl(2.5, 40)) == [AT + 2]
 
 
 def test_clip_rise_a_share_at_the_cap_up_by_0_25_confirms():

@@ -4,6 +4,8 @@ named, and torch's ``step(...)`` and verl's ``observe_update`` decide alike from
 
 from __future__ import annotations
 
+import ast
+import inspect
 import logging
 import math
 import random
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.cusum import WAYS, CusumDetector
+from verl_lrstab import cusum
+from verl_lrstab.cusum import HOLDS, WAYS, CusumDetector
 from verl_lrstab.schedule import UpdateFigures, replay
 from verl_lrstab.scheduler import LengthSurgeLR
 
@@ -37,11 +40,72 @@ def feed(tr, det=None):
     return None, det
 
 
+def _literals(source: str) -> list:
+    """The numeric literals other than 0, 1 and -1 of ``source`` (the module holding the decision), the
+    constructor's defaults left out (they are its parameters, counted as such)."""
+    tree = ast.parse(source)
+    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    defaults = {id(d) for d in init.args.defaults + init.args.kw_defaults if d is not None}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and type(n.value) in (int, float) and n.value not in (0, 1, -1)
+            and id(n) not in defaults]
+
+
+def test_the_rule_is_small():
+    # at most 30 numbers shape a decision, at most 5 ways to fire and 5 holds, each a method the ablation removes
+    literals = _literals(Path(cusum.__file__).read_text())
+    params = list(inspect.signature(CusumDetector).parameters)
+    assert len(literals) + len(params) <= 30, (literals, params)
+    assert len(WAYS) <= 5 and len(HOLDS) <= 5
+    for name in WAYS:
+        assert callable(getattr(CusumDetector, f"_way_{name}"))
+    for name in HOLDS:
+        assert callable(getattr(CusumDetector, f"_hold_{name}"))
+
+
+def test_the_number_count_counts_each_literal_and_not_0_1_or_the_defaults():
+    source = Path(cusum.__file__).read_text()
+    base = len(_literals(source))
+    assert len(_literals(source + "\nEXTRA = 2.5\nOTHER = 1\nNEG = -1\n")) == base + 1
+    assert len(_literals(source.replace("def __init__(self, ", "def __init__(self, extra: float = 7.5, ", 1))) == base
+
+
 def test_no_way_fires_on_a_noisy_length_at_its_baseline_with_a_growing_kl_loss():
     # a small-batch run: the length 15-25 % noisy around its baseline, the entropy as noisy, the KL loss to the
     # reference growing 4-8x from the start: nothing in it is a surge
     for tr in phenomena.traces(seeds=range(8), classes="R"):
         assert feed(tr)[0] is None, tr.name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_way_fires_with_the_length_at_its_baseline_whatever_every_witness_does(seed):
+    # a hand-made run: the length at a flat baseline (5 % step noise) for 160 steps; from step 60 on every witness
+    # says "surge" (the score falls 0.7 -> 0.3, k3 triples, the clip share rises 0.3, entropy 1.5x, grad norm 3x)
+    # and the length stays where it was: nothing fires, the length is what the LR decay answers
+    rng = random.Random(seed)
+    det = CusumDetector(**LengthSurgeConfig().detector_kwargs())
+    for s in range(1, 161):
+        late = min(max(s - 60, 0) / 20, 1.0)  # 0 before step 60, 1 from step 80
+        assert not det.update(s, 500.0 * math.exp(rng.gauss(0, 0.05)), score=0.7 - 0.4 * late + rng.gauss(0, 0.02),
+                              kl=1e-3 * (1 + 2 * late) * math.exp(rng.gauss(0, 0.15)), clip_ratio=0.02 + 0.3 * late), s
+        det.observe(s, entropy=0.4 * (1 + 0.5 * late) * math.exp(rng.gauss(0, 0.05)),
+                    grad_norm=(1 + 2 * late) * math.exp(rng.gauss(0, 0.2)))
+
+
+def test_no_way_fires_on_a_very_noisy_length_at_its_baseline_with_the_kl_loss_growing_by_hand():
+    # the phenomenon as described, built by hand: a small-batch GRPO run logged every step, its mean length very
+    # noisy (25 % a step around 95 tokens, no trend), the score rising slowly (0.58 -> 0.65 over 30 steps), the
+    # entropy noisy (20 % a step), the KL loss to the reference growing from 8e-4 to 5e-3 over 30 steps with single
+    # steps 1.6x above its trend. A CUSUM of that noise reaches half its threshold now and then; the KL loss's
+    # ordinary growth and a high entropy must not confirm it (60 runs)
+    for seed in range(60):
+        rng = random.Random(seed)
+        det = CusumDetector(**LengthSurgeConfig().detector_kwargs())
+        for s in range(1, 81):
+            score = 0.58 + 0.07 * min(s / 30, 2) + rng.gauss(0, 0.05)
+            assert not det.update(s, 95.0 * math.exp(rng.gauss(0, 0.25)), score=score), (seed, s, det.fired_by)
+            kl_loss = 8e-4 * 6.25 ** min(s / 30, 1.5) * (1.6 if rng.random() < 0.08 else 1.0)
+            det.observe(s, entropy=0.45 * math.exp(rng.gauss(0, 0.2)), kl_loss=kl_loss)
 
 
 def test_a_two_step_excursion_over_a_slow_drift_is_no_surge_and_its_surge_twin_is():
@@ -53,6 +117,28 @@ def test_a_two_step_excursion_over_a_slow_drift_is_no_surge_and_its_surge_twin_i
         assert fired is not None and fired >= tr.onset, tr.name
         if alone is not None and alone >= tr.onset:
             assert fired - alone <= 2, (tr.name, fired, alone)  # within 2 steps of the length alone
+
+
+@pytest.mark.parametrize("form", ["dense", "every", "filled", "none"])
+def test_a_two_step_excursion_over_a_slow_drift_never_fires_whatever_the_score_form(form):
+    # the score dense, on every 10th row only, forward-filled from it, or absent: the excursion's first step's
+    # score dip (2-3 noise units) and its length are no surge (20 seeds)
+    for tr in phenomena.traces(seeds=range(20), classes="S"):
+        tr.score = phenomena.sparse_score(tr.score, form, 10)
+        assert feed(tr)[0] is None, (tr.name, form)
+
+
+@pytest.mark.xfail(strict=True, reason="a limit of the default rule, measured in docs/detector.md: T dense is caught "
+                                       "3-5 steps after the length alone in 4 of 40 seeds (the score's 5-step level "
+                                       "needs those steps to fall 3.5 noise units)")
+def test_the_surge_twin_is_caught_within_2_steps_of_the_length_alone_in_every_seed():
+    gaps = {}
+    for tr in phenomena.traces(seeds=range(40), classes="T"):
+        fired, _ = feed(tr)
+        alone = replay(tr.steps, tr.length).surge_step
+        if alone is not None and alone >= tr.onset:
+            gaps[tr.name] = None if fired is None else fired - alone
+    assert gaps and all(g is not None and g <= 2 for g in gaps.values()), gaps
 
 
 def test_every_firing_has_the_length_above_its_baseline_and_is_named():

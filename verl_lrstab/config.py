@@ -101,7 +101,7 @@ class LengthSurgeConfig:
         cusum_score_z (float): cusum: a score fall, or a witness rise, counts beyond this many noise
             units (> 0). Default 3.5.
         cusum_kl_rise (float): cusum: the mismatch KL's least rise over its baseline-window median to
-            count as a risen witness (> 1). Default 1.5.
+            count as a risen witness (> 1; over its level before that window, its square). Default 1.5.
         cusum_clip_rise (float): cusum: the least rise of the share of responses at the response cap
             to count as a risen witness (> 0; in training the glue feeds it as
             ``actor/lrstab/clip_ratio``). Default 0.25.

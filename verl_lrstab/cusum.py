@@ -4,21 +4,22 @@ The rule, every decision from data up to the current step only (docs/detector.md
 
 **Length alarm.** On log-lengths, a trailing baseline (median of the ``span`` steps that end
 ``lag`` steps back) and a noise scale (1.4826 x their MAD, at least ``noise_floor``) give a
-z-score per step; a one-sided CUSUM ``S = max(0, S + z - drift)`` accumulates it. The alarm is
-raised when ``S >= threshold`` and the level (median of the last 5 steps) is at least
-``min_rise`` x the baseline, unless the run had that level before (a rebound).
+z-score per step; a one-sided CUSUM ``S = max(0, S + z - drift)`` accumulates it. An alarm is
+armed when ``S >= threshold / 2`` and the newest step is at least ``min_rise`` x the baseline,
+unless the run had that level before (a rebound).
 
-**Ways to fire** (:data:`WAYS`), each on an armed alarm whose level is still ``min_rise`` x its
-baseline: the score falls ``score_z`` noise units (``score``); two witnesses have risen, the score
-not rising (``witnesses``: verl's co-signals, the mismatch KL counting as two); no witness is logged
-at all (``length``); the level reaches ``runaway_rise`` x the baseline (``runaway``); and, on a
-return to an earlier high instead of an alarm, the score collapsing or two witnesses rising
-(``return``).
+**Ways to fire** (:data:`WAYS`), each on an armed alarm: the score falls ``score_z`` noise units,
+the level (median of the last 5 steps) at ``min_rise`` x the baseline (``score``); two witnesses have
+risen, the newest step at ``min_rise`` x and the score not rising (``witnesses``: verl's co-signals,
+the mismatch KL and the clip share counting as two); no witness is logged at all, ``S >= threshold``
+and the level at ``min_rise`` x (``length``); the level reaches ``runaway_rise`` x the alarm's
+baseline (``runaway``); and, on a return to an earlier high instead of an alarm, the score
+collapsing or two of verl's co-signals rising with it (``return``).
 
 **Holds** (:data:`HOLDS`): the first ``skip_first_steps`` steps (``warmup``); a level the run had
 before (``rebound``); a rising score (``learning``); a score observed on a one-step spike or a
-row whose length just jumped ``spike_rise`` x (``composition``); an alarm whose level came back
-down or that waited ``confirm_steps`` (``expiry``).
+row whose length just jumped ``spike_rise`` x (``composition``); an alarm whose CUSUM fell back
+to 0 or that waited ``confirm_steps`` (``expiry``).
 
 Windows count steps, not rows, so a log written every 5-10 steps uses the same options; a window
 holding fewer than 8 rows is widened back to 8. NaN, inf, missing and non-positive lengths are
@@ -63,6 +64,9 @@ MEDIAN_SD = math.sqrt(math.pi / 2)
 # at least this multiple of it (a figure logged with few digits has no noise to measure). The mismatch KL
 # (the method's own signal, METHOD.md) and the clip share count as two witnesses, at kl_rise / clip_rise.
 WITNESS_RISE = 1.1
+# k3 against its level before the baseline window must have grown kl_rise ** OLDER_KL_POWER (2.25x): a flat k3 reads
+# 1.5x a level 25-50 steps older now and then in a log written every few steps
+OLDER_KL_POWER = 2
 COSIGNALS = ("entropy", "grad_norm", "kl_loss", "pg_clipfrac")
 WITNESSES = 2  # risen witnesses that confirm: one alone (a grad-norm spike) never does
 # A return collapses when the score's latest observation is at most this share of its pre-alarm level
@@ -78,11 +82,16 @@ def _window(rows, lo: int, hi: int, min_rows: int = MIN_ROWS) -> list[float]:
     return inside if len(inside) >= min_rows else [v for _, v in upto[-min_rows:]]
 
 
-def _recent(rows, step: int, least: int = FEW_ROWS) -> list[float]:
-    """The last LEVEL_STEPS steps' values, widened back to the last ``least`` observations (a median of 3
+def _recent_rows(rows, step: int, least: int = FEW_ROWS) -> list:
+    """The rows of the last LEVEL_STEPS steps, widened back to the last ``least`` observations (a median of 3
     ignores one odd batch; a figure not logged lately is held at its last observations)."""
-    vals = [v for s, v in rows if s > step - LEVEL_STEPS]
-    return vals if len(vals) >= least else [v for _, v in rows[-least:]]
+    inside = [r for r in rows if r[0] > step - LEVEL_STEPS]
+    return inside if len(inside) >= least else rows[-least:]
+
+
+def _recent(rows, step: int, least: int = FEW_ROWS) -> list[float]:
+    """The values of :func:`_recent_rows`."""
+    return [v for _, v in _recent_rows(rows, step, least)]
 
 
 def _add(rows: list, step: int, v: Optional[float]) -> None:
@@ -238,7 +247,8 @@ class CusumDetector:
             self._prune(step)
             return False
         rows.log.append([step, math.log(number)])
-        rows.high.append([step, median(v for _, v in rows.log[-LEVEL_STEPS:])])
+        if len(rows.log) >= LEVEL_STEPS:  # a level is a median of 5 rows: one long first row is none
+            rows.high.append([step, median(v for _, v in rows.log[-LEVEL_STEPS:])])
         self._prune(step)
         if self._hold_warmup(step) or not self._measure(step):
             return False
@@ -345,9 +355,10 @@ class CusumDetector:
                 and math.log(self.level) < old + math.log(self.rebound_margin))
 
     def _hold_learning(self, step: int, a: Alarm) -> bool:
-        """The score's level is ``score_z`` noise units above its pre-alarm level."""
-        z = self._score_z(step)
-        return z is not None and z >= self.score_z
+        """The score's level is ``score_z`` noise units above its pre-alarm level (its last 3 observations
+        suffice: a rise is no long batch's composition)."""
+        zs = [z for z in (self._score_z(step), self._score_z(step, FEW_ROWS)) if z is not None]
+        return bool(zs) and max(zs) >= self.score_z
 
     def _hold_composition(self, step: int) -> set:
         """Steps whose score says nothing of a trend: one-step spikes (rows, whatever the steps between them)
@@ -359,7 +370,8 @@ class CusumDetector:
         return drop
 
     def _hold_expiry(self, step: int, a: Alarm) -> bool:
-        """The level came back below ``min_rise`` x the alarm's baseline, or the alarm waited ``confirm_steps``."""
+        """The CUSUM fell back to 0 (a return: its last 2 steps below ``min_rise`` x its baseline), or the alarm
+        waited ``confirm_steps``."""
         if a.is_return:
             return self._fast() < self.min_rise * a.baseline or step - a.step > self.confirm_steps
         return self._cusum <= 0 or step - a.step > self.confirm_steps
@@ -404,13 +416,14 @@ class CusumDetector:
         drop = self._hold_composition(step)
         return [r for r in self.rows.score if r[0] not in drop]
 
-    def _score_z(self, step: int) -> Optional[float]:
-        """The score's level now against its references, in noise units: the lower of the two (None: no score
-        to compare)."""
+    def _score_z(self, step: int, least: int = LEVEL_STEPS) -> Optional[float]:
+        """The score's level now (at least ``least`` observations) against its references, in noise units: the
+        lower of the two (None: no score to compare)."""
         refs = self._score_refs(step)
-        # at least LEVEL_STEPS observations: in a log written every few steps two long batches in a row score
-        # lower by their composition (long answers are more often wrong or cut off); a median of 5 ignores them
-        now = _recent(self._clean_score(step), step, LEVEL_STEPS) if refs else []
+        # at least LEVEL_STEPS observations for a fall: in a log written every few steps two long batches in a
+        # row score lower by their composition (long answers are more often wrong or cut off); a median of 5
+        # ignores them
+        now = _recent(self._clean_score(step), step, least) if refs else []
         if not now:
             return None
         ref, n_ref, old, n_old, noise = refs
@@ -421,7 +434,9 @@ class CusumDetector:
 
     def _witnesses(self, step: int, fresh: bool = False) -> int:
         """Risen witnesses, against their medians over the current baseline window (the window the length
-        rose over): each of verl's co-signals (one each), the mismatch KL and the clip share (two each).
+        rose over), ended before the observations compared with it: each of verl's co-signals (one each), the
+        mismatch KL and the clip share (two each). The mismatch KL has also risen where, the level at
+        ``min_rise``, it grew over the baseline window as much as the length did, and ``kl_rise`` (1.5) x.
         ``fresh`` (a return): verl's co-signals only, from their observations of the last FEW_ROWS steps (they
         must rise with the return, not be held at values from before it)."""
         hi = step - self.lag
@@ -429,19 +444,30 @@ class CusumDetector:
         for name, rows in self.rows.co.items():
             past = [r for r in rows if r[0] < step]  # read from the next step on (see observe)
             # the last 3 steps read (steps < ``step``); a figure not logged there is held at its last observation
-            now = [v for s, v in past if s >= step - FEW_ROWS] or ([] if fresh else [v for _, v in past[-1:]])
-            up += self._risen(_logs(now), past, math.log(WITNESS_RISE), hi, log=True)
+            now = [r for r in past if r[0] >= step - FEW_ROWS] or ([] if fresh else past[-1:])
+            # the reference ends before the observations it is compared with
+            end = min(hi, now[0][0] - 1) if now else hi
+            up += self._risen(_logs([v for _, v in now]), past, math.log(WITNESS_RISE), end, log=True)
         if fresh:
             return up  # a return's k3 rises with its length (a recovery's did, in a real-model pilot): verl's only
         if self.rows.kl:
             now = _logs(_recent(self.rows.kl, step))
-            # k3 doubles over the 20-30 steps before a slow surge's alarm: against its level before the
-            # baseline window too (the OLD_STEPS steps that end there), once
-            # the level is half-way to min_rise (a KL drifting for 100+ steps is no surge on one long batch)
-            ends = (hi, hi - self.span) if self.ratio >= 1 + (self.min_rise - 1) * HALF else (hi,)
-            up += WITNESSES * any(self._risen(now, self.rows.kl, math.log(self.kl_rise), end, log=True) for end in ends)
+            risen = self._risen(now, self.rows.kl, math.log(self.kl_rise), hi, log=True)
+            if not risen and self._cusum >= self.threshold and self.ratio >= 1 + (self.min_rise - 1) * HALF:
+                # k3 doubles over the 20-30 steps before a slow surge's alarm: against its level before the
+                # baseline window too (the OLD_STEPS steps that end there), once the CUSUM is at its threshold
+                # and the level half-way to min_rise (a KL drifting for 100+ steps is no surge on one long
+                # batch that lifts the CUSUM to half its threshold), by kl_rise ** OLDER_KL_POWER
+                risen = self._risen(now, self.rows.kl, OLDER_KL_POWER * math.log(self.kl_rise), hi - self.span, log=True)
+            if not risen and self.ratio >= self.min_rise and now:
+                # k3 grew over the baseline window at least as much as the length did (METHOD.md: the
+                # mismatch grows with the length): the surge's own sign, whatever k3's noise
+                ref = _logs(_window(self.rows.kl, hi - self.span, hi))
+                risen = bool(ref) and median(now) - median(ref) >= max(math.log(self.kl_rise), math.log(self.ratio))
+            up += WITNESSES * risen
         if self.rows.clip:
-            up += WITNESSES * self._risen(_recent(self.rows.clip, step), self.rows.clip, self.clip_rise, hi)
+            recent = _recent_rows(self.rows.clip, step)
+            up += WITNESSES * self._risen([v for _, v in recent], self.rows.clip, self.clip_rise, min(hi, recent[0][0] - 1))
         return up
 
     def _risen(self, now: list, rows: list, least: float, hi: int, log: bool = False) -> bool:

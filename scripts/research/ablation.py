@@ -55,8 +55,8 @@ def _const(name, value):
 
 
 def _method(name, replacement=_never):
-    """The ways and holds are methods of the rule in candidates/detector_v6.patch: None where the rule
-    under test has no such method (it is then not ablated on it)."""
+    """The ways and holds are methods of the rule (``_way_<name>``, ``_hold_<name>``): None where the rule under
+    test has no such method (it is then not ablated on it)."""
     if not hasattr(_D, name):
         return None
     return lambda stack: stack.enter_context(mock.patch.object(_D, name, replacement))
@@ -83,12 +83,13 @@ for name, value, what in (
         ("threshold", 2.5, "2.5 (half)"), ("min_rise", 1.0, "1"), ("noise_floor", 1e-9, "0"),
         ("rebound_margin", 1.0, "1"), ("rebound_memory", 50, "50 (half)"), ("confirm_steps", 10 ** 9, "inf"),
         ("score_z", 3.0, "3.0"), ("kl_rise", 1.0, "1"), ("clip_rise", 0.0, "0"), ("runaway_rise", 2.0, "2.0"),
-        ("spike_rise", 1e9, "inf")):
+        ("spike_rise", 1e9, "inf"), ("max_surges", 2, "2")):
     VARIANTS[f"{name}={what}"] = ("number", f"option {name}", _attr(name, value))
 for name, value, what in (
         ("LEVEL_STEPS", 3, "3"), ("MIN_ROWS", 4, "4"), ("MAD_SD", 1.0, "1"), ("MEDIAN_SD", 1.0, "1"),
         ("OLD_STEPS", 0, "0 (no older reference)"), ("WITNESS_RISE", 1.0, "1"), ("WITNESSES", 1, "1"),
-        ("COLLAPSE_SHARE", 1.0, "1"), ("FEW_ROWS", 1, "1"), ("NOISE_ROWS", 8, "8"), ("SCORE_FLOOR", 0.0, "0")):
+        ("COLLAPSE_SHARE", 1.0, "1"), ("FEW_ROWS", 1, "1"), ("NOISE_ROWS", 8, "8"), ("SCORE_FLOOR", 0.0, "0"),
+        ("FAST_ROWS", 1, "1"), ("OLDER_KL_POWER", 1, "1"), ("HALF", 1.0, "1 (full evidence everywhere)")):
     if hasattr(cusum, name):
         VARIANTS[f"{name}={what}"] = ("number", f"constant {name}", _const(name, value))
 
