@@ -69,9 +69,6 @@ WITNESS_RISE = 1.1
 OLDER_KL_POWER = 2
 COSIGNALS = ("entropy", "grad_norm", "kl_loss", "pg_clipfrac")
 WITNESSES = 2  # risen witnesses that confirm: one alone (a grad-norm spike) never does
-# A return collapses when the score's latest observation is at most this share of its pre-alarm level
-# (and score_z noise units below it): the median of 5 lags the two steps a collapse at the cap takes.
-COLLAPSE_SHARE = 0.8
 SCORE_FLOOR = 0.01  # the score's smallest noise scale, as a share of its level (a score logged with few digits)
 
 
@@ -334,13 +331,14 @@ class CusumDetector:
         """A return to an earlier high whose score collapses (its latest observation), or whose witnesses rise."""
         if self._witnesses(step, fresh=True) >= WITNESSES and not self._hold_learning(step, a):
             return True
-        # the latest observation as logged: a fall to COLLAPSE_SHARE is beyond a long batch's composition
+        # the latest observation as logged, score_z units below its pre-alarm level: the median of 5 lags the
+        # two steps a collapse at the cap takes
         refs = self._score_refs(step)
-        if not self.rows.score or refs is None or not refs[0] > 0:
+        if not self.rows.score or refs is None:
             return False
         now, (ref, n_ref, _, _, noise) = self.rows.score[-1][1], refs
         unit = MEDIAN_SD * noise * math.sqrt(1 + 1 / n_ref)
-        return now <= COLLAPSE_SHARE * ref and (ref - now) / unit >= self.score_z
+        return (ref - now) / unit >= self.score_z
 
     # -- holds -----------------------------------------------------------------------------------
     def _hold_warmup(self, step: int) -> bool:

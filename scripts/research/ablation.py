@@ -88,7 +88,7 @@ for name, value, what in (
 for name, value, what in (
         ("LEVEL_STEPS", 3, "3"), ("MIN_ROWS", 4, "4"), ("MAD_SD", 1.0, "1"), ("MEDIAN_SD", 1.0, "1"),
         ("OLD_STEPS", 0, "0 (no older reference)"), ("WITNESS_RISE", 1.0, "1"), ("WITNESSES", 1, "1"),
-        ("COLLAPSE_SHARE", 1.0, "1"), ("FEW_ROWS", 1, "1"), ("NOISE_ROWS", 8, "8"), ("SCORE_FLOOR", 0.0, "0"),
+        ("FEW_ROWS", 1, "1"), ("NOISE_ROWS", 8, "8"), ("SCORE_FLOOR", 0.0, "0"),
         ("FAST_ROWS", 1, "1"), ("OLDER_KL_POWER", 1, "1"), ("HALF", 1.0, "1 (full evidence everywhere)")):
     if hasattr(cusum, name):
         VARIANTS[f"{name}={what}"] = ("number", f"constant {name}", _const(name, value))
