@@ -119,7 +119,7 @@ class LengthSurgeSchedule:
         self.detector = DETECTORS[self.config.detector](self.config)
         self.mismatch_trigger = _make_mismatch_trigger(self.config)
         self.trigger_step: Optional[int] = None  # the update that started the decay
-        self.trigger_source: Optional[str] = None  # "length" or "mismatch"
+        self.trigger_source: Optional[str] = None  # TRIGGER_SOURCES: what started the decay (logged on resume)
         self.response_length = math.nan  # last values consumed
         self.mismatch_kl = math.nan
         self.score = math.nan
@@ -224,6 +224,9 @@ class LengthSurgeSchedule:
                              f"set detector: {saved.detector_kind} to resume this run")
         self.detector.load_state_dict(state["detector"])
         self.trigger_step, self.trigger_source = saved.trigger_step, saved.trigger_source
+        if saved.trigger_step is not None:
+            logger.info("verl_lrstab: resumed with the LR decay started at update %d by the %s trigger",
+                        saved.trigger_step, saved.trigger_source)
         self.response_length, self.mismatch_kl = saved.response_length, saved.mismatch_kl
         self.score, self.clip_ratio = saved.score, saved.clip_ratio
         if self.mismatch_trigger is not None and saved.mismatch_trigger is not None:
