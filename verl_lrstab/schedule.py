@@ -479,8 +479,8 @@ def replay(steps: Iterable[int], values: Iterable[Optional[float]],
         # In force at `step`: decided before this step's own figures are seen.
         result.lr_scale.append(warmup_scale(step - 1, warmup_steps) * schedule.decay_scale(step))
         schedule.observe(step, value, kl, score=sc, clip_ratio=clip)
-        if cosignals:
-            schedule.detector.observe(step, **dict(zip(cosignals, extra)))
+        if cosignals:  # the trainer's own path for an update's figures (after its decision)
+            schedule.observe_cosignals(dict(zip(cosignals, extra)), update=step)
         result.baseline.append(schedule.detector.baseline)
         result.ratio.append(schedule.detector.ratio)
         result.cusum.append(getattr(schedule.detector, "cusum", math.nan))
