@@ -5,7 +5,6 @@ named, and torch's ``step(...)`` and verl's ``observe_update`` decide alike from
 from __future__ import annotations
 
 import ast
-import inspect
 import logging
 import math
 import random
@@ -41,21 +40,26 @@ def feed(tr, det=None):
 
 
 def _literals(source: str) -> list:
-    """The numeric literals other than 0, 1 and -1 of ``source`` (the module holding the decision), the
-    constructor's defaults left out (they are its parameters, counted as such)."""
-    tree = ast.parse(source)
-    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    defaults = {id(d) for d in init.args.defaults + init.args.kw_defaults if d is not None}
-    return [(n.lineno, n.value) for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and type(n.value) in (int, float) and n.value not in (0, 1, -1)
-            and id(n) not in defaults]
+    """The numeric literals other than 0, 1 and -1 of ``source`` (the module holding the decision)."""
+    return [(n.lineno, n.value) for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Constant) and type(n.value) in (int, float) and n.value not in (0, 1, -1)]
+
+
+def _options_read(source: str) -> set:
+    """The config options the detector's constructor reads (``c.<option>``): its parameters, one per option."""
+    init = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {n.attr for n in ast.walk(init)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "c"}
 
 
 def test_the_rule_is_small():
-    # at most 30 numbers shape a decision, at most 5 ways to fire and 5 holds, each a method the ablation removes
-    literals = _literals(Path(cusum.__file__).read_text())
-    params = list(inspect.signature(CusumDetector).parameters)
-    assert len(literals) + len(params) <= 30, (literals, params)
+    # at most 30 numbers shape a decision (the literals and the options read), at most 5 ways to fire and 5 holds,
+    # each a method the ablation removes
+    source = Path(cusum.__file__).read_text()
+    literals, options = _literals(source), _options_read(source)
+    assert options == {"skip_first_steps", "max_surges"} | {f for f in LengthSurgeConfig.__dataclass_fields__
+                                                             if f.startswith("cusum_")}
+    assert len(literals) + len(options) <= 30, (literals, sorted(options))
     assert len(WAYS) <= 5 and len(HOLDS) <= 5
     for name in WAYS:
         assert callable(getattr(CusumDetector, f"_way_{name}"))
@@ -63,11 +67,12 @@ def test_the_rule_is_small():
         assert callable(getattr(CusumDetector, f"_hold_{name}"))
 
 
-def test_the_number_count_counts_each_literal_and_not_0_1_or_the_defaults():
+def test_the_number_count_counts_each_literal_and_option_and_not_0_1():
     source = Path(cusum.__file__).read_text()
-    base = len(_literals(source))
+    base, options = len(_literals(source)), _options_read(source)
     assert len(_literals(source + "\nEXTRA = 2.5\nOTHER = 1\nNEG = -1\n")) == base + 1
-    assert len(_literals(source.replace("def __init__(self, ", "def __init__(self, extra: float = 7.5, ", 1))) == base
+    more = source.replace("self.rows = _Rows()", "self.extra = c.cusum_extra\n        self.rows = _Rows()", 1)
+    assert _options_read(more) == options | {"cusum_extra"}
 
 
 def test_no_way_fires_on_a_noisy_length_at_its_baseline_with_a_growing_kl_loss():
