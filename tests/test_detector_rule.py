@@ -88,7 +88,7 @@ def test_no_way_fires_with_the_length_at_its_baseline_whatever_every_witness_doe
     # says "surge" (the score falls 0.7 -> 0.3, k3 triples, the clip share rises 0.3, entropy 1.5x, grad norm 3x)
     # and the length stays where it was: nothing fires, the length is what the LR decay answers
     rng = random.Random(seed)
-    det = CusumDetector(**LengthSurgeConfig().detector_kwargs())
+    det = CusumDetector(LengthSurgeConfig())
     for s in range(1, 161):
         late = min(max(s - 60, 0) / 20, 1.0)  # 0 before step 60, 1 from step 80
         assert not det.update(s, 500.0 * math.exp(rng.gauss(0, 0.05)), score=0.7 - 0.4 * late + rng.gauss(0, 0.02),
@@ -105,7 +105,7 @@ def test_no_way_fires_on_a_very_noisy_length_at_its_baseline_with_the_kl_loss_gr
     # ordinary growth and a high entropy must not confirm it (60 runs)
     for seed in range(60):
         rng = random.Random(seed)
-        det = CusumDetector(**LengthSurgeConfig().detector_kwargs())
+        det = CusumDetector(LengthSurgeConfig())
         for s in range(1, 81):
             score = 0.58 + 0.07 * min(s / 30, 2) + rng.gauss(0, 0.05)
             assert not det.update(s, 95.0 * math.exp(rng.gauss(0, 0.25)), score=score), (seed, s, det.fired_by)

@@ -161,6 +161,12 @@ def test_readme_is_a_front_door():
         f"README.md has {n} lines, more than {README_MAX_LINES}: move detail into a page of docs/ and link it")
 
 
+def test_the_detector_manual_fits_its_page_budget():
+    # the rule on one page, its tables of numbers and measurements; the full report is detector_benchmark.md
+    n = len((ROOT / "docs" / "detector.md").read_text(encoding="utf-8").splitlines())
+    assert n <= 250, f"docs/detector.md has {n} lines, more than 250: the full tables go to docs/detector_benchmark.md"
+
+
 @pytest.mark.parametrize("path", CHECKED, ids=_rel)
 def test_every_relative_link_resolves(path):
     problems = []

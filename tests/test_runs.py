@@ -214,7 +214,6 @@ def test_bench_meets_the_issue_bar_on_two_seeds():
     """Issues 10 and 21 on seeds 0-1 of every class but D (the benchmark runs 40 seeds): every A
     detected before accuracy < 0.5 with a lead of 7+ steps, every B during its rise, G caught, no
     false alarm on C, E, F, H; with the score dense, on every 10th row only, or absent."""
-    import statistics
     import sys
     from pathlib import Path
 
@@ -227,8 +226,9 @@ def test_bench_meets_the_issue_bar_on_two_seeds():
             r["fired"] = {"cusum": bench_detector.RULES["cusum"](r)}
         out = {r["name"]: bench_detector.outcome(r, r["fired"]["cusum"]) for r in runs}
         assert all(o == ("quiet" if r["expect"] == "no_fire" else "hit") for r, o in zip(runs, out.values())), (form, out)
+        # the issue's bar on each run; the median lead over 40 seeds is the bench's (docs/detector.md, Measured)
         leads = [r["crash"] - r["fired"]["cusum"] for r in runs if r["cls"] == "A"]
-        assert min(leads) >= 7 and statistics.median(leads) >= 9, (form, leads)
+        assert min(leads) >= 7, (form, leads)
 
 def test_reads_gzipped_jsonl_and_csv_as_the_plain_files(tmp_path, monkeypatch):
     import gzip

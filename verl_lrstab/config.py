@@ -108,8 +108,7 @@ class LengthSurgeConfig:
         cusum_runaway_rise (float): cusum: an armed alarm fires whatever the witnesses once the level
             is this multiple of its baseline and the run never was that long before (> 1). Default 2.5.
         cusum_spike_rise (float): cusum: a one-step spike is a length this multiple of the steps before
-            and after it, a jumped row this multiple of the row before (> 1): the score observed on
-            either confirms nothing (long answers are more often wrong or cut off). Default 1.2.
+            and after it (> 1); it is left out of the level (one long batch is no surge). Default 1.2.
         max_surges (int): how many surges the detector reports per run (>= 1). Default 1. The
             schedule always follows the first one; later ones are only reported.
         mismatch_budget (float | None): fixed budget on the mismatch KL for the mismatch

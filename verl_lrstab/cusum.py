@@ -17,9 +17,9 @@ baseline (``runaway``); and, on a return to an earlier high instead of an alarm,
 collapsing or two of verl's co-signals rising with it (``return``).
 
 **Holds** (:data:`HOLDS`): the first ``skip_first_steps`` steps (``warmup``); a level the run had
-before (``rebound``); a rising score (``learning``); a score observed on a one-step spike or a
-row whose length just jumped ``spike_rise`` x (``composition``); an alarm whose CUSUM fell back
-to 0 or that waited ``confirm_steps`` (``expiry``).
+before (``rebound``); a rising score (``learning``); an alarm whose CUSUM fell back to 0 or that
+waited ``confirm_steps`` (``expiry``). A one-step spike (``spike_rise`` x the steps before and
+after it) is left out of the level.
 
 Windows count steps, not rows, so a log written every 5-10 steps uses the same options; a window
 holding fewer than 8 rows is widened back to 8. NaN, inf, missing and non-positive lengths are
@@ -44,7 +44,7 @@ logger = logging.getLogger("verl_lrstab")
 _NAN = float("nan")
 #: The ways to fire and the holds, in the order docs/detector.md tables them.
 WAYS = ("score", "witnesses", "length", "runaway", "return")
-HOLDS = ("warmup", "rebound", "learning", "composition", "expiry")
+HOLDS = ("warmup", "rebound", "learning", "expiry")
 FAST_ROWS = 2  # the fast level: the last 2 rows (a return to an earlier high takes 2-4 steps)
 HALF = 0.5  # half the length evidence: half the CUSUM threshold, half-way to min_rise, half the span
 LEVEL_STEPS = 5  # the level and every figure's "now": the last 5 steps (two odd batches cannot move a median of 5)
@@ -266,7 +266,7 @@ class CusumDetector:
     def _measure(self, step: int) -> bool:
         """Level, baseline, noise and CUSUM of ``step``; False while no baseline is formed."""
         log = self.rows.log
-        spikes = self._spikes(adjacent=True)
+        spikes = self._spikes()
         late = [(s, v) for s, v in log if s > self.skip_first_steps and s not in spikes]
         recent = [v for s, v in late if s > step - LEVEL_STEPS]
         self.level = math.exp(median(recent if len(recent) >= FAST_ROWS else [v for _, v in late[-FAST_ROWS:]]))
@@ -306,9 +306,18 @@ class CusumDetector:
 
     # -- ways to fire ----------------------------------------------------------------------------
     def _way_score(self, step: int, a: Alarm) -> bool:
-        """The score's level falls ``score_z`` noise units below its pre-alarm level."""
+        """The score's level falls ``score_z`` noise units below its pre-alarm level; or, the length at full
+        evidence and still rising (its newest step the highest of the last FEW_ROWS), the score's last FEW_ROWS
+        observations of the last LEVEL_STEPS steps do (a length that keeps rising while the score falls: the
+        5-step level would need 2-3 more steps)."""
         z = self._score_z(step)
-        return z is not None and z <= -self.score_z and self.ratio >= self.min_rise
+        if z is not None and z <= -self.score_z and self.ratio >= self.min_rise:
+            return True
+        log = self.rows.log
+        if not self._full_evidence() or log[-1][1] < max(v for _, v in log[-FEW_ROWS:]):
+            return False
+        z = self._score_z(step, FEW_ROWS, last=True)
+        return z is not None and z <= -self.score_z
 
     def _way_witnesses(self, step: int, a: Alarm) -> bool:
         """Two witnesses have risen with the length, the score not rising."""
@@ -358,15 +367,6 @@ class CusumDetector:
         zs = [z for z in (self._score_z(step), self._score_z(step, FEW_ROWS)) if z is not None]
         return bool(zs) and max(zs) >= self.score_z
 
-    def _hold_composition(self, step: int) -> set:
-        """Steps whose score says nothing of a trend: one-step spikes (rows, whatever the steps between them)
-        and a newest row ``spike_rise`` x the row before (whether it reverts is known at the next row)."""
-        drop = self._spikes(adjacent=False)
-        log = self.rows.log
-        if len(log) >= FAST_ROWS and log[-1][0] == step and log[-1][1] - log[-FAST_ROWS][1] >= math.log(self.spike_rise):
-            drop.add(step)
-        return drop
-
     def _hold_expiry(self, step: int, a: Alarm) -> bool:
         """The CUSUM fell back to 0 (a return: its last 2 steps below ``min_rise`` x its baseline), or the alarm
         waited ``confirm_steps``."""
@@ -410,19 +410,16 @@ class CusumDetector:
         old = self._earlier_high(step)
         return old is not None and old >= b + math.log(self.min_rise)
 
-    def _clean_score(self, step: int) -> list:
-        drop = self._hold_composition(step)
-        return [r for r in self.rows.score if r[0] not in drop]
-
-    def _score_z(self, step: int, least: int = LEVEL_STEPS) -> Optional[float]:
-        """The score's level now (at least ``least`` observations) against its references, in noise units: the
-        lower of the two (None: no score to compare)."""
+    def _score_z(self, step: int, least: int = LEVEL_STEPS, last: bool = False) -> Optional[float]:
+        """The score's level now (at least ``least`` observations; ``last``: its last ``least`` observations)
+        against its references, in noise units: the lower of the two (None: no score to compare)."""
         refs = self._score_refs(step)
         # at least LEVEL_STEPS observations for a fall: in a log written every few steps two long batches in a
         # row score lower by their composition (long answers are more often wrong or cut off); a median of 5
         # ignores them
-        now = _recent(self._clean_score(step), step, least) if refs else []
-        if not now:
+        rows = self.rows.score if refs else []
+        now = [v for s, v in rows if s > step - LEVEL_STEPS][-least:] if last else _recent(rows, step, least)
+        if len(now) < (least if last else 1):
             return None
         ref, n_ref, old, n_old, noise = refs
         z = (median(now) - ref) / (MEDIAN_SD * noise * math.sqrt(1 / len(now) + 1 / n_ref))
@@ -481,12 +478,12 @@ class CusumDetector:
         rise = median(now) - median(ref)
         return rise >= least and rise >= self.score_z * MEDIAN_SD * _mean_scale(noise) * math.sqrt(1 / len(now) + 1 / len(ref))
 
-    def _spikes(self, adjacent: bool) -> set:
-        """One-step spikes: rows ``spike_rise`` x the rows before and after (``adjacent``: steps t-1, t+1)."""
+    def _spikes(self) -> set:
+        """One-step spikes: steps ``spike_rise`` x the steps before and after them (t-1 and t+1 both logged)."""
         bar, rows, out = math.log(self.spike_rise), self.rows.log, set()
         for i in range(1, len(rows) - 1):
             (s0, y0), (s1, y1), (s2, y2) = rows[i - 1], rows[i], rows[i + 1]
-            if (not adjacent or (s1 - s0 == 1 and s2 - s1 == 1)) and y1 - y0 >= bar and y1 - y2 >= bar:
+            if s1 - s0 == 1 and s2 - s1 == 1 and y1 - y0 >= bar and y1 - y2 >= bar:
                 out.add(s1)
         return out
 

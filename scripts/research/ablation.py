@@ -75,7 +75,6 @@ VARIANTS: dict = {
     "warmup": ("hold", "the first skip_first_steps steps", _method("_hold_warmup")),
     "rebound": ("hold", "a level the run had before", _method("_hold_rebound")),
     "learning": ("hold", "a rising score", _method("_hold_learning")),
-    "composition": ("hold", "the score of a one-step spike or a jumped row", _method("_hold_composition", lambda *a: set())),
     "expiry": ("hold", "an alarm whose level fell back or that waited confirm_steps", _method("_hold_expiry")),
 }
 for name, value, what in (
