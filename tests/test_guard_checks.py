@@ -224,3 +224,25 @@ def test_guard_options_of_the_wrong_kind_name_the_option():
                          ({"max_rollbacks": True}, "--max-rollbacks"), ({"from_scratch": 1}, "from_scratch")):
         with pytest.raises(GuardError, match=name):
             GuardOptions(**kwargs)
+
+
+def test_resume_is_refused_when_the_rollbacks_own_checkpoint_is_gone_and_no_later_one_is_complete(tmp_path):
+    # the last rollback resumed verl from step 8; that folder is gone (a cleanup, a disk swap) and only step 4 is
+    # left: continuing would resume from before the rollback, off its LR rule, so the guard refuses and moves nothing
+    from verl_lrstab.config import LengthSurgeConfig
+    from verl_lrstab.guard.plan import RunPlan
+    from verl_lrstab.guard.preflight import resume_problem
+
+    ck = tmp_path / "ckpts"
+    (ck / "global_step_4").mkdir(parents=True)
+    plan = RunPlan(checkpoint_dir=ck, save_freq=4, total_steps=40, keep=None, length_surge=LengthSurgeConfig(),
+                   scheduler="length_surge", rollout_seed=None)
+    state = {"after": 8, "rules": [{"decay_from_step": 8}]}
+    problem = resume_problem(plan, state, logged=10, complete=[4], run_dir=tmp_path / "run")
+    assert problem is not None and str(ck / "global_step_8") in problem and "no later complete one" in problem
+    assert "Nothing was changed" in problem and f"lrstab guard --resume {tmp_path / 'run'}" in problem
+    assert sorted(p.name for p in ck.iterdir()) == ["global_step_4"]
+    # a later complete checkpoint (verl saved past the rollback's step) is one to continue from
+    assert resume_problem(plan, state, logged=14, complete=[4, 12], run_dir=tmp_path / "run") is None
+    # before any rollback, a run that lost nothing it needs resumes as verl would
+    assert resume_problem(plan, {"after": None, "rules": []}, logged=6, complete=[4], run_dir=tmp_path / "run") is None
