@@ -261,7 +261,8 @@ def test_two_rollbacks_in_one_run_each_lowers_the_lr(tmp_path, assets_dir):
 
 
 # two main_ppo runs and a guarded one per trainer (~4 min each on 2 cores): slow. CI keeps the recorded
-# lines of these runs (tests/standin/verl_logs/, read by tests/test_guard_journal.py's failed-load tests).
+# lines of these runs (tests/standin/verl_logs/, read by the failed-load tests of tests/test_guard_faults.py and
+# tests/test_guard.py).
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["v1", "v0"])
 def test_a_checkpoint_whose_model_shard_is_damaged_is_recognised_and_the_older_one_used(tmp_path, assets_dir,
