@@ -147,6 +147,18 @@ def test_the_top_level_help_names_the_launching_subcommands(capsys):
     assert "logged runs" in description and "guard" in description and "rollouts" in description, description
 
 
+@pytest.mark.parametrize("command", ["replay", "calibrate", "compare"])
+def test_each_cosignal_flag_says_what_it_falls_back_to(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    for flag, consumed, fallback in (("--kl-metric", "actor/lrstab/mismatch_kl", "mismatch/k3"),
+                                     ("--score-metric", "actor/lrstab/score", "critic/score/mean"),
+                                     ("--clip-metric", "actor/lrstab/clip_ratio", "response_length/clip_ratio")):
+        help_of_flag = text.split(f"{flag} ")[-1].split(" --")[0]
+        assert consumed in help_of_flag and fallback in help_of_flag and "none" in help_of_flag, (flag, help_of_flag)
+
+
 def test_invalid_option_value_is_one_line_naming_the_option(verl_run, capsys):
     code, out, err = run_cli("replay", verl_run[0], "--gamma", "2", capsys=capsys)
     assert code == 1 and out == ""

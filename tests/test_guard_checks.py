@@ -197,6 +197,16 @@ def test_a_scheduler_state_for_another_number_of_param_groups_or_with_options_no
         scheduler(2).load_state_dict({**state, "options": ["gamma", 0.5]})
     scheduler(2).load_state_dict(state)  # the matching optimizer loads it
 
+    # the guard reads the refusal, as Ray reports a worker's exception, as a checkpoint that failed to load
+    from verl_lrstab.guard.plan import checkpoint_failed_to_load
+    try:
+        scheduler(1).load_state_dict(state)
+    except SchedulerStateError as err:
+        line = f"ray.exceptions.RayTaskError({type(err).__name__}): ray::WorkerDict.actor_rollout_load_checkpoint()"
+        log = f"Load from checkpoint folder: ckpt/global_step_4\nTraceback (most recent call last):\n{line}\n{err}\n"
+    assert checkpoint_failed_to_load(log)
+    assert not checkpoint_failed_to_load(log.replace("SchedulerStateError", "ValueError"))  # the name is the sign
+
 
 def test_a_constant_score_at_the_float_limit_is_no_reward_crash_and_a_fall_still_is():
     from verl_lrstab.reward_crash import reward_crash

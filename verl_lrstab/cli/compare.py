@@ -18,7 +18,7 @@ from verl_lrstab.cli.common import (
     plots_module,
     scheduler_config,
 )
-from verl_lrstab.cli.replay import replay_run, replayed_length
+from verl_lrstab.cli.replay import KL_HELP, replay_run, replayed_length
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.reward_crash import CRASH_WINDOW, DEFAULT_FRACTION, reward_crash, score_floor
 from verl_lrstab.runs import MissingMetricError, RunError, find_metric, load_run, metric_series
@@ -246,6 +246,6 @@ def add_parser(sub) -> None:
     p.add_argument("--crash-fraction", type=float, default=0.6,
                    help="reward crash: the first step whose 5-point rolling median score is below this x its "
                         "earlier peak; lead = crash step - detection step. Default 0.6")
-    p.add_argument("--kl-metric", help="mismatch KL metric (default: auto)")
+    p.add_argument("--kl-metric", help=KL_HELP)
     add_scheduler_options(p)
     p.set_defaults(func=cmd_compare)

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
 # What a length_surge run's trainer consumed, logged under actor/lrstab/*: replayed as is.
 CONSUMED = {"kl": "actor/lrstab/mismatch_kl", "score": "actor/lrstab/score", "clip": "actor/lrstab/clip_ratio"}
-KL_HELP = "mismatch KL metric for trigger mismatch|either (default: auto)"
+KL_HELP = ("the mismatch KL metric (a witness of detector cusum; the trigger of mismatch|either), or none (default: "
+           "what a length_surge run consumed, actor/lrstab/mismatch_kl, else mismatch/<mismatch_metric>, else the "
+           f"first of {list(KL_METRICS)})")
 
 
 def _cosignal(df, given: str | None, consumed: str, candidates) -> str | None:
