@@ -75,6 +75,25 @@ def test_the_number_count_counts_each_literal_and_option_and_not_0_1():
     assert _options_read(more) == options | {"cusum_extra"}
 
 
+def test_the_rules_constants_are_read_when_called_so_the_ablation_can_set_them():
+    # scripts/research/ablation.py sets a module constant (mock.patch.object(cusum, NAME, value)); a constant
+    # bound as a default argument would keep its value and the ablation would measure nothing
+    tree = ast.parse(Path(cusum.__file__).read_text())
+    constants = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                 if isinstance(t, ast.Name) and t.id.isupper()}
+    assert {"MIN_ROWS", "FEW_ROWS", "LEVEL_STEPS", "NOISE_ROWS", "HALF"} <= constants
+    bound = [(f.name, d.id) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+             for d in f.args.defaults + f.args.kw_defaults if isinstance(d, ast.Name) and d.id in constants]
+    assert bound == []
+    rows = [[s, float(s)] for s in range(0, 100, 10)]  # a log written every 10 steps
+    assert len(cusum._window(rows, 60, 90)) == cusum.MIN_ROWS
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cusum, "MIN_ROWS", 4)
+        assert len(cusum._window(rows, 60, 90)) == 4
+        patch.setattr(cusum, "FEW_ROWS", 1)
+        assert cusum._recent(rows, 95) == [90.0]
+
+
 def test_no_way_fires_on_a_noisy_length_at_its_baseline_with_a_growing_kl_loss():
     # a small-batch run: the length 15-25 % noisy around its baseline, the entropy as noisy, the KL loss to the
     # reference growing 4-8x from the start: nothing in it is a surge

@@ -72,21 +72,24 @@ WITNESSES = 2  # risen witnesses that confirm: one alone (a grad-norm spike) nev
 SCORE_FLOOR = 0.01  # the score's smallest noise scale, as a share of its level (a score logged with few digits)
 
 
-def _window(rows, lo: int, hi: int, min_rows: int = MIN_ROWS) -> list[float]:
-    """Values of ``rows`` (sorted [step, value]) in steps (lo, hi], widened back to ``min_rows`` rows up to hi."""
+def _window(rows, lo: int, hi: int, min_rows: Optional[int] = None) -> list[float]:
+    """Values of ``rows`` (sorted [step, value]) in steps (lo, hi], widened back to ``min_rows`` rows (default
+    MIN_ROWS, read when called: the ablation sets the constants) up to hi."""
+    min_rows = MIN_ROWS if min_rows is None else min_rows
     upto = [r for r in rows if r[0] <= hi]
     inside = [v for s, v in upto if s > lo]
     return inside if len(inside) >= min_rows else [v for _, v in upto[-min_rows:]]
 
 
-def _recent_rows(rows, step: int, least: int = FEW_ROWS) -> list:
+def _recent_rows(rows, step: int, least: Optional[int] = None) -> list:
     """The rows of the last LEVEL_STEPS steps, widened back to the last ``least`` observations (a median of 3
     ignores one odd batch; a figure not logged lately is held at its last observations)."""
+    least = FEW_ROWS if least is None else least
     inside = [r for r in rows if r[0] > step - LEVEL_STEPS]
     return inside if len(inside) >= least else rows[-least:]
 
 
-def _recent(rows, step: int, least: int = FEW_ROWS) -> list[float]:
+def _recent(rows, step: int, least: Optional[int] = None) -> list[float]:
     """The values of :func:`_recent_rows`."""
     return [v for _, v in _recent_rows(rows, step, least)]
 
@@ -410,9 +413,10 @@ class CusumDetector:
         old = self._earlier_high(step)
         return old is not None and old >= b + math.log(self.min_rise)
 
-    def _score_z(self, step: int, least: int = LEVEL_STEPS, last: bool = False) -> Optional[float]:
+    def _score_z(self, step: int, least: Optional[int] = None, last: bool = False) -> Optional[float]:
         """The score's level now (at least ``least`` observations; ``last``: its last ``least`` observations)
         against its references, in noise units: the lower of the two (None: no score to compare)."""
+        least = LEVEL_STEPS if least is None else least
         refs = self._score_refs(step)
         # at least LEVEL_STEPS observations for a fall: in a log written every few steps two long batches in a
         # row score lower by their composition (long answers are more often wrong or cut off); a median of 5
