@@ -195,7 +195,7 @@ def test_the_detector_alone_refuses_what_it_cannot_read_naming_the_field():
     from verl_lrstab.cusum import CusumDetector
     from verl_lrstab.detector import SurgeDetector
     from verl_lrstab.mismatch_trigger import MismatchTrigger
-    from verl_lrstab.state_checks import StateFieldError
+    from verl_lrstab.typed_state import StateFieldError
 
     state = cusum_state()["schedule"]["detector"]
     state["alarm"]["step"] = 31.0
@@ -248,3 +248,22 @@ def test_a_damaged_megatron_scheduler_state_is_refused_naming_the_step_and_field
     state["length_surge"]["schedule"]["detector"]["history"].append("x")
     with pytest.raises(SchedulerStateError, match=r"the checkpoint at update 12: .*detector\.history\[\d+\]='x'"):
         check_megatron_scheduler_state(state)
+
+
+def test_the_typed_state_reader_imports_nothing_of_the_package_so_the_states_need_no_cycle():
+    # cusum, detector, mismatch_trigger and schedule read their states with typed_state; state_checks reads the
+    # schedule's state through schedule, so typed_state must import neither (an import cycle otherwise)
+    import ast
+    from pathlib import Path
+
+    import verl_lrstab.typed_state as typed_state
+
+    def imports(module: str) -> set:
+        tree = ast.parse((Path(typed_state.__file__).parent / f"{module}.py").read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    assert not {m for m in imports("typed_state") if m and m.startswith("verl_lrstab")}
+    for module in ("cusum", "detector", "mismatch_trigger", "schedule"):
+        assert "verl_lrstab.typed_state" in imports(module) and "verl_lrstab.state_checks" not in imports(module), module
+

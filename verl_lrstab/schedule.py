@@ -26,7 +26,7 @@ from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig
 from verl_lrstab.cusum import CusumDetector, CusumState
 from verl_lrstab.detector import RatioState, SurgeDetector
 from verl_lrstab.mismatch_trigger import MismatchTrigger, MismatchTriggerState
-from verl_lrstab.state_checks import from_state, require
+from verl_lrstab.typed_state import from_state, require
 
 #: The detectors by ``length_surge.detector`` (one interface: ``update``, ``observe``, ``metrics``, ``reads``,
 #: ``state_dict``), and the dataclasses their states are.
@@ -215,7 +215,7 @@ class LengthSurgeSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (read as :class:`ScheduleState`: a field missing, unknown or of another type
-        raises :class:`~verl_lrstab.state_checks.StateFieldError` naming it). A checkpoint without the mismatch
+        raises :class:`~verl_lrstab.typed_state.StateFieldError` naming it). A checkpoint without the mismatch
         trigger's state (written with ``trigger: length``) leaves this run's trigger to calibrate afresh."""
         saved = ScheduleState.from_state(state)
         if saved.detector_kind != self.config.detector:

@@ -56,7 +56,7 @@ class Progress:
         moved = "; ".join(f"{name} -> {where}" for name, where in self.moved) or "none"
         left = ", ".join(self.left) or "none"
         if self.scratch:
-            tracker = (f"verl's tracker was moved aside too" if self.tracker_written else
+            tracker = ("verl's tracker was moved aside too" if self.tracker_written else
                        f"verl's tracker {ck / TRACKER} is still there (moved last)")
             return f"checkpoints moved aside: {moved}; not moved yet (still in {ck}): {left}; {tracker}"
         tracker = (f"verl's tracker {ck / TRACKER} names step {s} (rewritten)" if self.tracker_written else

@@ -300,7 +300,7 @@ class Guard:
         except GuardIOError:
             pass  # the run folder itself is full or read-only: the message below is all there is
         where = (self._progress.describe() if self._progress is not None else
-                 f"the guard moved no checkpoint, and verl's tracker is as verl left it")
+                 "the guard moved no checkpoint, and verl's tracker is as verl left it")
         print(f"lrstab guard: error: {err}. verl was stopped; {where}; {self.run_dir / STATE} is the last one written "
               f"whole{' (it holds the decided moves: --resume finishes them)' if self._progress else ''}. Free space "
               f"or make the folder writable, then: lrstab guard --resume {self.run_dir}", file=sys.stderr, flush=True)
