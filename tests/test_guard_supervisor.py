@@ -167,7 +167,7 @@ def test_the_same_command_again_continues_a_killed_guards_run_another_command_is
 
 
 def test_the_tracker_is_rewritten_atomically(tmp_path, monkeypatch):
-    from verl_lrstab.guard import plan
+    from verl_lrstab.guard import files, plan
 
     plan.write_tracker(tmp_path, 8)
     assert read_tracker(tmp_path) == 8
@@ -175,7 +175,7 @@ def test_the_tracker_is_rewritten_atomically(tmp_path, monkeypatch):
     def killed_before_the_rename(src, dst):
         raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(plan.os, "replace", killed_before_the_rename)
+    monkeypatch.setattr(files.os, "replace", killed_before_the_rename)  # the rename write_atomic ends with
     with pytest.raises(KeyboardInterrupt):
         plan.write_tracker(tmp_path, 4)
     # what verl's `auto` resume reads is the old step, never an empty or half-written file
