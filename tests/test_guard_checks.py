@@ -199,11 +199,11 @@ def test_a_scheduler_state_for_another_number_of_param_groups_or_with_options_no
 
     # the guard reads the refusal, as Ray reports a worker's exception, as a checkpoint that failed to load
     from verl_lrstab.guard.plan import checkpoint_failed_to_load
-    try:
+    with pytest.raises(SchedulerStateError) as refused:
         scheduler(1).load_state_dict(state)
-    except SchedulerStateError as err:
-        line = f"ray.exceptions.RayTaskError({type(err).__name__}): ray::WorkerDict.actor_rollout_load_checkpoint()"
-        log = f"Load from checkpoint folder: ckpt/global_step_4\nTraceback (most recent call last):\n{line}\n{err}\n"
+    line = f"ray.exceptions.RayTaskError({refused.type.__name__}): ray::WorkerDict.actor_rollout_load_checkpoint()"
+    log = "\n".join(("Load from checkpoint folder: ckpt/global_step_4", "Traceback (most recent call last):", line,
+                     str(refused.value)))
     assert checkpoint_failed_to_load(log)
     assert not checkpoint_failed_to_load(log.replace("SchedulerStateError", "ValueError"))  # the name is the sign
 

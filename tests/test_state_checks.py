@@ -266,4 +266,3 @@ def test_the_typed_state_reader_imports_nothing_of_the_package_so_the_states_nee
     assert not {m for m in imports("typed_state") if m and m.startswith("verl_lrstab")}
     for module in ("cusum", "detector", "mismatch_trigger", "schedule"):
         assert "verl_lrstab.typed_state" in imports(module) and "verl_lrstab.state_checks" not in imports(module), module
-

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.schedule import ScheduleState
-from verl_lrstab.typed_state import MISSING, StateFieldError, is_finite, is_integer
+from verl_lrstab.typed_state import MISSING, StateFieldError, is_finite, is_integer, shown
 
 
 class SchedulerStateError(ValueError):
@@ -27,8 +27,7 @@ class _Checker:
         self.step, self.where = step, where
 
     def fail(self, field: str, value: Any, expected: str):
-        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-        raise SchedulerStateError(f"the checkpoint at update {self.step}: its {self.where} has {field}={shown}, "
+        raise SchedulerStateError(f"the checkpoint at update {self.step}: its {self.where} has {field}={shown(value)}, "
                                   f"expected {expected}; the checkpoint is damaged or not a length_surge one "
                                   "(resume from another checkpoint)")
 

@@ -40,10 +40,11 @@ class StateFieldError(ValueError):
 
     def __init__(self, field: str, value: Any, expected: str):
         self.field, self.value, self.expected = field, value, expected
-        super().__init__(f"{field}={_shown(value)}, expected {expected}")
+        super().__init__(f"{field}={shown(value)}, expected {expected}")
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
+    """``repr(value)``, cut to 80 characters (a field's value in one error line)."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
