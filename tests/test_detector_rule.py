@@ -90,8 +90,6 @@ def test_the_rules_constants_are_read_when_called_so_the_ablation_can_set_them()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cusum, "MIN_ROWS", 4)
         assert len(cusum._window(rows, 60, 90)) == 4
-        patch.setattr(cusum, "FEW_ROWS", 1)
-        assert cusum._recent(rows, 95) == [90.0]
 
 
 def test_no_way_fires_on_a_noisy_length_at_its_baseline_with_a_growing_kl_loss():

@@ -45,7 +45,9 @@ _NAN = float("nan")
 #: The ways to fire and the holds, in the order docs/detector.md tables them.
 WAYS = ("score", "witnesses", "length", "runaway", "return")
 HOLDS = ("warmup", "rebound", "learning", "expiry")
-FAST_ROWS = 2  # the fast level: the last 2 rows (a return to an earlier high takes 2-4 steps)
+# the level's least rows: a return to an earlier high takes 2-4 steps, and a log written every 10 steps has
+# 1 row in 5 steps. k3 and the clip share, measured on the length's own batches, are read over the same rows.
+FAST_ROWS = 2
 HALF = 0.5  # half the length evidence: half the CUSUM threshold, half-way to min_rise, half the span
 LEVEL_STEPS = 5  # the level and every figure's "now": the last 5 steps (two odd batches cannot move a median of 5)
 FEW_ROWS = 3  # a median of 3 ignores one odd batch (a grad-norm spike, a long batch)
@@ -81,15 +83,14 @@ def _window(rows, lo: int, hi: int, min_rows: Optional[int] = None) -> list[floa
     return inside if len(inside) >= min_rows else [v for _, v in upto[-min_rows:]]
 
 
-def _recent_rows(rows, step: int, least: Optional[int] = None) -> list:
-    """The rows of the last LEVEL_STEPS steps, widened back to the last ``least`` observations (a median of 3
-    ignores one odd batch; a figure not logged lately is held at its last observations)."""
-    least = FEW_ROWS if least is None else least
+def _recent_rows(rows, step: int, least: int) -> list:
+    """The rows of the last LEVEL_STEPS steps, widened back to the last ``least`` observations (a figure not
+    logged lately is held at its last observations)."""
     inside = [r for r in rows if r[0] > step - LEVEL_STEPS]
     return inside if len(inside) >= least else rows[-least:]
 
 
-def _recent(rows, step: int, least: Optional[int] = None) -> list[float]:
+def _recent(rows, step: int, least: int) -> list[float]:
     """The values of :func:`_recent_rows`."""
     return [v for _, v in _recent_rows(rows, step, least)]
 
@@ -434,7 +435,8 @@ class CusumDetector:
     def _witnesses(self, step: int, fresh: bool = False) -> int:
         """Risen witnesses, against their medians over the current baseline window (the window the length
         rose over), ended before the observations compared with it: each of verl's co-signals (one each), the
-        mismatch KL and the clip share (two each). The mismatch KL has also risen where, the level at
+        mismatch KL and the clip share (two each; their "now" is the level's rows, the batches the length was
+        measured on). The mismatch KL has also risen where, the level at
         ``min_rise``, it grew over the baseline window as much as the length did, and ``kl_rise`` (1.5) x.
         ``fresh`` (a return): verl's co-signals only, from their observations of the last FEW_ROWS steps (they
         must rise with the return, not be held at values from before it)."""
@@ -450,7 +452,7 @@ class CusumDetector:
         if fresh:
             return up  # a return's k3 rises with its length (a recovery's did, in a real-model pilot): verl's only
         if self.rows.kl:
-            now = _logs(_recent(self.rows.kl, step))
+            now = _logs(_recent(self.rows.kl, step, FAST_ROWS))
             risen = self._risen(now, self.rows.kl, math.log(self.kl_rise), hi, log=True)
             if not risen and self._cusum >= self.threshold and self.ratio >= 1 + (self.min_rise - 1) * HALF:
                 # k3 doubles over the 20-30 steps before a slow surge's alarm: against its level before the
@@ -465,7 +467,7 @@ class CusumDetector:
                 risen = bool(ref) and median(now) - median(ref) >= max(math.log(self.kl_rise), math.log(self.ratio))
             up += WITNESSES * risen
         if self.rows.clip:
-            recent = _recent_rows(self.rows.clip, step)
+            recent = _recent_rows(self.rows.clip, step, FAST_ROWS)
             up += WITNESSES * self._risen([v for _, v in recent], self.rows.clip, self.clip_rise, min(hi, recent[0][0] - 1))
         return up
 
