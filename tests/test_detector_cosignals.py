@@ -423,6 +423,29 @@ def test_a_mismatch_kl_rising_with_a_slow_surge_decides_with_the_length_alone_in
     assert len(gaps) >= 8 and statistics.median(gaps) <= 0, gaps
 
 
+def _every_ten_steps(last_length: float, last_k3: float) -> list[int]:
+    """A log written every 10 steps: 15 flat rows (length 500, k3 1e-3, score 0.7, clip share 0.05, each with a
+    little noise), then one row of ``last_length`` and ``last_k3``; the steps a detector fires."""
+    rng = np.random.default_rng(0)
+    det, fired = CusumDetector(), []
+    for i in range(16):
+        step = 1 + 10 * i
+        noise = np.exp(0.04 * rng.standard_normal(2))
+        length, k3 = (last_length, last_k3) if i == 15 else (500 * noise[0], 1e-3 * noise[1])
+        if det.update(step, length, score=0.7 + 0.02 * rng.standard_normal(), kl=k3, clip_ratio=0.05):
+            fired.append(step)
+    return fired
+
+
+def test_k3_measured_on_the_lengths_batches_is_read_over_the_levels_rows_in_a_sparse_log():
+    # k3 comes with the length, from the same batches: on the row where the length jumps 1.6x and k3 triples, the
+    # level (the last 2 rows) and k3's now (the same 2 rows) confirm each other. A median of k3's last 3 rows
+    # would read two flat rows and wait a row, 10 steps
+    assert _every_ten_steps(800, 3e-3) == [151]
+    assert _every_ten_steps(800, 1e-3) == []  # the length alone, with witnesses logged: no surge on one row
+    assert _every_ten_steps(500, 3e-3) == []  # k3 alone, the length at its baseline: none either
+
+
 def test_one_step_spikes_with_a_same_step_score_dip_never_fire_in_a_learning_run():
     # class P: single long batches (+20-30 %, some +35-55 % with the batch accuracy 0.15-0.25 lower), back
     # the next step, on a level drifting up 1.2x over 30 steps: no surge, with the score dense, sparse or
