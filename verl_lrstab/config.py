@@ -14,6 +14,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping, Optional, Union
 
+from verl_lrstab.typed_state import is_integer
+
 SCHEDULER_NAME = "length_surge"
 ORIGINS = ("start", "surge")
 TRIGGERS = ("length", "mismatch", "either")
@@ -183,30 +185,30 @@ class LengthSurgeConfig:
         _check(0.0 < _num(self.min_lr_ratio) <= 1.0, "min_lr_ratio", self.min_lr_ratio, "a number in (0, 1]")
         _check(self.origin in ORIGINS, "origin", self.origin, f"one of {list(ORIGINS)}")
         if self.decay_period is not None:
-            _check(_int(self.decay_period) and 1 <= self.decay_period <= MAX_DECAY_PERIOD, "decay_period",
+            _check(is_integer(self.decay_period) and 1 <= self.decay_period <= MAX_DECAY_PERIOD, "decay_period",
                    self.decay_period, f"null or an integer in [1, {MAX_DECAY_PERIOD}]")
         if self.decay_from_step is not None:
-            _check(_int(self.decay_from_step) and 0 <= self.decay_from_step <= MAX_DECAY_PERIOD, "decay_from_step",
-                   self.decay_from_step, f"null or an integer in [0, {MAX_DECAY_PERIOD}]")
+            _check(is_integer(self.decay_from_step) and 0 <= self.decay_from_step <= MAX_DECAY_PERIOD,
+                   "decay_from_step", self.decay_from_step, f"null or an integer in [0, {MAX_DECAY_PERIOD}]")
             _check(self.decay_period is not None, "decay_from_step", self.decay_from_step,
                    "null unless decay_period is set too (the period of the decay it starts)")
             _check(not self.monitor_only, "decay_from_step", self.decay_from_step,
                    "null with monitor_only: true (a monitor never decays)")
-        _check(_int(self.guard_rollbacks) and self.guard_rollbacks >= 0, "guard_rollbacks", self.guard_rollbacks,
+        _check(is_integer(self.guard_rollbacks) and self.guard_rollbacks >= 0, "guard_rollbacks", self.guard_rollbacks,
                "an integer >= 0")
         _check(self.trigger in TRIGGERS, "trigger", self.trigger, f"one of {list(TRIGGERS)}")
-        _check(_int(self.skip_first_steps) and self.skip_first_steps >= 0, "skip_first_steps",
+        _check(is_integer(self.skip_first_steps) and self.skip_first_steps >= 0, "skip_first_steps",
                self.skip_first_steps, "an integer >= 0")
         for key in ("fast_window", "horizon", "baseline_window", "patience", "max_surges",
                     "mismatch_calibration_steps"):
             value = getattr(self, key)
-            _check(_int(value) and value >= 1, key, value, "an integer >= 1")
+            _check(is_integer(value) and value >= 1, key, value, "an integer >= 1")
         _check(_finite_above(self.ratio_threshold, 1.0), "ratio_threshold", self.ratio_threshold, "a number > 1")
         _check(self.detector in DETECTORS, "detector", self.detector, f"one of {list(DETECTORS)}")
         for key in ("cusum_span", "cusum_rebound_memory", "cusum_confirm_steps"):
             value = getattr(self, key)
-            _check(_int(value) and value >= 1, key, value, "an integer >= 1")
-        _check(_int(self.cusum_lag) and self.cusum_lag >= 0, "cusum_lag", self.cusum_lag, "an integer >= 0")
+            _check(is_integer(value) and value >= 1, key, value, "an integer >= 1")
+        _check(is_integer(self.cusum_lag) and self.cusum_lag >= 0, "cusum_lag", self.cusum_lag, "an integer >= 0")
         for key in ("cusum_drift", "cusum_threshold", "cusum_noise_floor", "cusum_score_z", "cusum_clip_rise"):
             _check(_positive(getattr(self, key)), key, getattr(self, key), "a number > 0")
         for key in ("cusum_min_rise", "cusum_rebound_margin", "cusum_kl_rise", "cusum_runaway_rise",
@@ -239,7 +241,7 @@ class LengthSurgeConfig:
         _check(self.length_tokens in ("auto", "model", "all"), "length_tokens", self.length_tokens,
                "one of ['auto', 'model', 'all']")
         if self.dismiss_trigger_step is not None:
-            _check(_int(self.dismiss_trigger_step) and 1 <= self.dismiss_trigger_step <= MAX_DECAY_PERIOD,
+            _check(is_integer(self.dismiss_trigger_step) and 1 <= self.dismiss_trigger_step <= MAX_DECAY_PERIOD,
                    "dismiss_trigger_step", self.dismiss_trigger_step,
                    f"null or an integer in [1, {MAX_DECAY_PERIOD}] (the update at which the dismissed decay started)")
             _check(self.decay_from_step is None, "dismiss_trigger_step", self.dismiss_trigger_step,
@@ -323,10 +325,6 @@ def _positive(value) -> bool:
 def _finite_above(value, low: float) -> bool:
     v = _num(value)
     return math.isfinite(v) and v > low
-
-
-def _int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:

@@ -42,6 +42,7 @@ from typing import Callable, Optional
 import torch
 
 from verl_lrstab.collective import all_reduce_or_none, collective_device
+from verl_lrstab.typed_state import is_integer, is_number
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -142,7 +143,7 @@ def compute_stats(
     """
     if rollout_log_probs is None or old_log_probs is None:
         return None
-    if not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and threshold >= 0):
+    if not (is_number(threshold) and threshold >= 0):
         raise ValueError(f"mismatch threshold must be a number >= 0, got {threshold!r}")
     old, roll, mask, offsets = _as_values(old_log_probs, rollout_log_probs, response_mask, offsets)
     if roll.numel() == 0 and old.numel() != 0:
@@ -297,7 +298,7 @@ class FirstMiniBatchCapture:
     """
 
     def __init__(self, n_sequences: int, threshold: float = DEFAULT_THRESHOLD):
-        if not isinstance(n_sequences, int) or isinstance(n_sequences, bool) or n_sequences < 1:
+        if not is_integer(n_sequences) or n_sequences < 1:
             raise ValueError(f"n_sequences must be an integer >= 1, got {n_sequences!r}")
         self.n_sequences = n_sequences
         self.threshold = threshold

@@ -26,7 +26,7 @@ from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig
 from verl_lrstab.cusum import CusumDetector, CusumState
 from verl_lrstab.detector import RatioState, SurgeDetector
 from verl_lrstab.mismatch_trigger import MismatchTrigger, MismatchTriggerState
-from verl_lrstab.typed_state import from_state, require
+from verl_lrstab.typed_state import from_state, is_integer, require
 
 #: The detectors by ``length_surge.detector`` (one interface: ``update``, ``observe``, ``metrics``, ``reads``,
 #: ``state_dict``), and the dataclasses their states are.
@@ -113,7 +113,7 @@ class LengthSurgeSchedule:
 
     def __init__(self, config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None, warmup_steps: int = 0):
         self.config = LengthSurgeConfig.from_dict(config)
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+        if not is_integer(warmup_steps) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
         self.detector = DETECTORS[self.config.detector](self.config)

@@ -12,6 +12,7 @@ import yaml
 from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig, option_docs
 from verl_lrstab.runs import RunError
 from verl_lrstab.schedule import ReplayResult
+from verl_lrstab.typed_state import is_integer
 
 # Metric names as verl (and the peers whose exports people compare against) log them.
 LENGTH_METRICS = ("response_length/mean", "response_length", "completions/mean_length", "completions_mean_length")
@@ -69,7 +70,7 @@ def scheduler_config(args: argparse.Namespace) -> LengthSurgeConfig:
     """The LengthSurgeConfig the options name; a bad value is a RunError naming the option."""
     options = {f.name: getattr(args, f.name) for f in fields(LengthSurgeConfig) if hasattr(args, f.name)}
     warmup = args.warmup_steps
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+    if not is_integer(warmup) or warmup < 0:
         raise RunError(f"--warmup-steps={warmup!r} is invalid: allowed values are an integer >= 0")
     try:
         return LengthSurgeConfig.from_dict(options)

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Optional
 
 from verl_lrstab.guard.plan import GuardError, GuardOptions
+from verl_lrstab.typed_state import is_integer
 
 STATE = "guard_state.json"
 _RULE_KEYS = ("checkpoint_step", "decay_from_step", "decay_period", "base_period", "attempt")
 
 
 def _int(v, low: Optional[int] = None) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and (low is None or v >= low)
+    return is_integer(v) and (low is None or v >= low)
 
 
 def _path(v) -> bool:
