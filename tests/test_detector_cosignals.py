@@ -423,16 +423,17 @@ def test_a_mismatch_kl_rising_with_a_slow_surge_decides_with_the_length_alone_in
     assert len(gaps) >= 8 and statistics.median(gaps) <= 0, gaps
 
 
-def _every_ten_steps(last_length: float, last_k3: float) -> list[int]:
+def _every_ten_steps(last_length: float, last_k3: float, last_clip: float = 0.05) -> list[int]:
     """A log written every 10 steps: 15 flat rows (length 500, k3 1e-3, score 0.7, clip share 0.05, each with a
-    little noise), then one row of ``last_length`` and ``last_k3``; the steps a detector fires."""
-    rng = np.random.default_rng(0)
+    little noise), then one row of ``last_length``, ``last_k3`` and ``last_clip``; the steps a detector fires."""
+    rng, clip_noise = np.random.default_rng(0), np.random.default_rng(1).standard_normal(16)
     det, fired = CusumDetector(), []
     for i in range(16):
         step = 1 + 10 * i
         noise = np.exp(0.04 * rng.standard_normal(2))
-        length, k3 = (last_length, last_k3) if i == 15 else (500 * noise[0], 1e-3 * noise[1])
-        if det.update(step, length, score=0.7 + 0.02 * rng.standard_normal(), kl=k3, clip_ratio=0.05):
+        length, k3, clip = ((last_length, last_k3, last_clip) if i == 15
+                            else (500 * noise[0], 1e-3 * noise[1], 0.05 + 0.01 * clip_noise[i]))
+        if det.update(step, length, score=0.7 + 0.02 * rng.standard_normal(), kl=k3, clip_ratio=clip):
             fired.append(step)
     return fired
 
@@ -444,6 +445,15 @@ def test_k3_measured_on_the_lengths_batches_is_read_over_the_levels_rows_in_a_sp
     assert _every_ten_steps(800, 3e-3) == [151]
     assert _every_ten_steps(800, 1e-3) == []  # the length alone, with witnesses logged: no surge on one row
     assert _every_ten_steps(500, 3e-3) == []  # k3 alone, the length at its baseline: none either
+
+
+def test_the_clip_share_of_the_newest_row_confirms_a_length_jump_in_a_sparse_log():
+    # the clip share comes with the length, from the same batch: on the row where the length jumps 1.3x and a
+    # third of the batch more hits the cap, both confirm. A median with the row before would halve the rise
+    # (0.20 - 0.05 against cusum_clip_rise 0.25) and wait a row, 10 steps
+    assert _every_ten_steps(650, 1e-3, 0.35) == [151]
+    assert _every_ten_steps(650, 1e-3, 0.15) == []  # a long batch's few more capped answers: no surge
+    assert _every_ten_steps(500, 1e-3, 0.35) == []  # the clip share alone, the length at its baseline: none
 
 
 def test_one_step_spikes_with_a_same_step_score_dip_never_fire_in_a_learning_run():

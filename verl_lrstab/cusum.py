@@ -46,7 +46,8 @@ _NAN = float("nan")
 WAYS = ("score", "witnesses", "length", "runaway", "return")
 HOLDS = ("warmup", "rebound", "learning", "expiry")
 # the level's least rows: a return to an earlier high takes 2-4 steps, and a log written every 10 steps has
-# 1 row in 5 steps. k3 and the clip share, measured on the length's own batches, are read over the same rows.
+# 1 row in 5 steps. k3, measured on the length's own batches, is read over the same rows; the clip share over the
+# last 5 steps' rows, at least the newest (its least rise is a quarter of a batch: no long batch's composition).
 FAST_ROWS = 2
 HALF = 0.5  # half the length evidence: half the CUSUM threshold, half-way to min_rise, half the span
 LEVEL_STEPS = 5  # the level and every figure's "now": the last 5 steps (two odd batches cannot move a median of 5)
@@ -435,9 +436,10 @@ class CusumDetector:
     def _witnesses(self, step: int, fresh: bool = False) -> int:
         """Risen witnesses, against their medians over the current baseline window (the window the length
         rose over), ended before the observations compared with it: each of verl's co-signals (one each), the
-        mismatch KL and the clip share (two each; their "now" is the level's rows, the batches the length was
-        measured on). The mismatch KL has also risen where, the level at
-        ``min_rise``, it grew over the baseline window as much as the length did, and ``kl_rise`` (1.5) x.
+        mismatch KL and the clip share (two each, measured on the length's batches: k3's "now" is the level's rows,
+        the clip share's the last LEVEL_STEPS steps' rows, at least the newest). The mismatch KL has also risen
+        where, the level at ``min_rise``, it grew over the baseline window as much as the length did, and
+        ``kl_rise`` (1.5) x.
         ``fresh`` (a return): verl's co-signals only, from their observations of the last FEW_ROWS steps (they
         must rise with the return, not be held at values from before it)."""
         hi = step - self.lag
@@ -467,7 +469,7 @@ class CusumDetector:
                 risen = bool(ref) and median(now) - median(ref) >= max(math.log(self.kl_rise), math.log(self.ratio))
             up += WITNESSES * risen
         if self.rows.clip:
-            recent = _recent_rows(self.rows.clip, step, FAST_ROWS)
+            recent = _recent_rows(self.rows.clip, step, 1)
             up += WITNESSES * self._risen([v for _, v in recent], self.rows.clip, self.clip_rise, min(hi, recent[0][0] - 1))
         return up
 
