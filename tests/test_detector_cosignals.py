@@ -448,8 +448,8 @@ def test_k3_measured_on_the_lengths_batches_is_read_over_the_levels_rows_in_a_sp
 
 
 def test_the_clip_share_of_the_newest_row_confirms_a_length_jump_in_a_sparse_log():
-    # the clip share comes with the length, from the same batch: on the row where the length jumps 1.3x and a
-    # third of the batch more hits the cap, both confirm. A median with the row before would halve the rise
+    # the clip share comes with the length, from the same batch: on the row where the length jumps 1.3x and 30 %
+    # more of the batch hits the cap, both confirm. A median with the row before would halve the rise
     # (0.20 - 0.05 against cusum_clip_rise 0.25) and wait a row, 10 steps
     assert _every_ten_steps(650, 1e-3, 0.35) == [151]
     assert _every_ten_steps(650, 1e-3, 0.15) == []  # a long batch's few more capped answers: no surge
