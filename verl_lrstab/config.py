@@ -87,8 +87,8 @@ class LengthSurgeConfig:
             ratio_threshold x baseline (> 1). Default 1.5.
         patience (int): consecutive observations that must meet the condition (ratio detector
             and mismatch trigger; >= 1). Default 3.
-        cusum_span (int): cusum: steps in the trailing baseline of the log length (>= 1). Default 20.
-        cusum_lag (int): cusum: the baseline ends this many steps back (>= 0). Default 3.
+        cusum_span (int): cusum: steps in the trailing baseline of the log length (>= 1). Default 30.
+        cusum_lag (int): cusum: the baseline ends this many steps back (>= 0). Default 10.
         cusum_drift (float): cusum: CUSUM allowance per step, in noise units (> 0). Default 1.0.
         cusum_threshold (float): cusum: full length evidence, in noise units (> 0); half of it, with the
             newest step at ``cusum_min_rise``, arms an alarm. Default 5.0.
@@ -155,8 +155,8 @@ class LengthSurgeConfig:
     ratio_threshold: float = 1.5
     patience: int = 3
     max_surges: int = 1
-    cusum_span: int = 20
-    cusum_lag: int = 3
+    cusum_span: int = 30
+    cusum_lag: int = 10
     cusum_drift: float = 1.0
     cusum_threshold: float = 5.0
     cusum_min_rise: float = 1.2

@@ -252,7 +252,8 @@ class CusumDetector:
         if len(rows.log) >= LEVEL_STEPS:  # a level is a median of 5 rows: one long first row is none
             rows.high.append([step, median(v for _, v in rows.log[-LEVEL_STEPS:])])
         self._prune(step)
-        if self._hold_warmup(step) or not self._measure(step):
+        self._measure(step)
+        if self._hold_warmup(step):
             return False
         if len(self.surge_steps) >= self.max_surges:
             return False
@@ -268,23 +269,24 @@ class CusumDetector:
             rows.log, rows.high = [], []  # a later surge is measured against the post-surge level
         return True
 
-    def _measure(self, step: int) -> bool:
-        """Level, baseline, noise and CUSUM of ``step``; False while no baseline is formed."""
+    def _measure(self, step: int) -> None:
+        """Level, baseline, noise and CUSUM of ``step`` (NaN while the warmup hold stands)."""
         log = self.rows.log
         spikes = self._spikes()
         late = [(s, v) for s, v in log if s > self.skip_first_steps and s not in spikes]
         recent = [v for s, v in late if s > step - LEVEL_STEPS]
+        if not late:
+            return
         self.level = math.exp(median(recent if len(recent) >= FAST_ROWS else [v for _, v in late[-FAST_ROWS:]]))
+        if self._hold_warmup(step):
+            self.baseline = self.ratio = self.noise = _NAN
+            return
         eligible = [r for r in log if self.skip_first_steps < r[0] <= step - self.lag]
-        if not eligible or eligible[-1][0] - eligible[0][0] < int(self.span * HALF):
-            self.baseline = self.ratio = self.noise = _NAN  # a baseline covers at least half the span
-            return False
         base = _window(eligible, step - self.lag - self.span, step)
         b = median(base)
         self.noise = max(_scale(base), self.noise_floor)
         self.baseline, self.ratio = math.exp(b), self.level / math.exp(b)
         self._cusum = max(0.0, self._cusum + (log[-1][1] - b) / self.noise - self.drift)
-        return True
 
     def _fire(self, step: int) -> Optional[str]:
         """Arm, expire or decide the alarm of ``step``; the way that fired, or None."""
@@ -311,18 +313,9 @@ class CusumDetector:
 
     # -- ways to fire ----------------------------------------------------------------------------
     def _way_score(self, step: int, a: Alarm) -> bool:
-        """The score's level falls ``score_z`` noise units below its pre-alarm level; or, the length at full
-        evidence and still rising (its newest step the highest of the last FEW_ROWS), the score's last FEW_ROWS
-        observations of the last LEVEL_STEPS steps do (a length that keeps rising while the score falls: the
-        5-step level would need 2-3 more steps)."""
+        """The score's level falls ``score_z`` noise units below its pre-alarm level, the level at ``min_rise``."""
         z = self._score_z(step)
-        if z is not None and z <= -self.score_z and self.ratio >= self.min_rise:
-            return True
-        log = self.rows.log
-        if not self._full_evidence() or log[-1][1] < max(v for _, v in log[-FEW_ROWS:]):
-            return False
-        z = self._score_z(step, FEW_ROWS, last=True)
-        return z is not None and z <= -self.score_z
+        return z is not None and z <= -self.score_z and self.ratio >= self.min_rise
 
     def _way_witnesses(self, step: int, a: Alarm) -> bool:
         """Two witnesses have risen with the length, the score not rising."""
@@ -335,34 +328,26 @@ class CusumDetector:
 
     def _way_runaway(self, step: int, a: Alarm) -> bool:
         """The level reached ``runaway_rise`` x the alarm's baseline (the paper's 3-4x surge may come with a
-        rising score), a level the run did not have before."""
+        rising score)."""
         # at least 3 rows: in a sparse log the 5-step level is one noisy row
         level = min(self.level, math.exp(median(v for _, v in self.rows.log[-FEW_ROWS:])))
-        return (level >= self.runaway_rise * a.baseline
-                and not self._hold_rebound(a.step, math.log(a.baseline), rows=self.rows.log))
+        return level >= self.runaway_rise * a.baseline
 
     def _way_return(self, step: int, a: Alarm) -> bool:
-        """A return to an earlier high whose score collapses (its latest observation), or whose witnesses rise."""
-        if self._witnesses(step, fresh=True) >= WITNESSES and not self._hold_learning(step, a):
-            return True
-        # the latest observation as logged, score_z units below its pre-alarm level: the median of 5 lags the
-        # two steps a collapse at the cap takes
-        refs = self._score_refs(step)
-        if not self.rows.score or refs is None:
-            return False
-        now, (ref, n_ref, _, _, noise) = self.rows.score[-1][1], refs
-        unit = MEDIAN_SD * noise * math.sqrt(1 + 1 / n_ref)
-        return (ref - now) / unit >= self.score_z
+        """A return to an earlier high whose witnesses (verl's co-signals) rise with it, the score not rising."""
+        return self._witnesses(step, fresh=True) >= WITNESSES and not self._hold_learning(step, a)
 
     # -- holds -----------------------------------------------------------------------------------
     def _hold_warmup(self, step: int) -> bool:
-        """The first ``skip_first_steps`` steps raise no alarm (they still count as earlier levels)."""
-        return step <= self.skip_first_steps
+        """No baseline yet: the steps after ``skip_first_steps`` and ``lag`` steps back cover less than half the
+        span (the first steps' format learning moves the length; they still count as earlier levels)."""
+        eligible = [s for s, _ in self.rows.log if self.skip_first_steps < s <= step - self.lag]
+        return not eligible or eligible[-1] - eligible[0] < int(self.span * HALF)
 
-    def _hold_rebound(self, step: int, b: float, rows=None) -> bool:
-        """The run was ``min_rise`` x the baseline before (``rows``: its 5-row medians by default) and the
-        level is below ``rebound_margin`` x that earlier high."""
-        old = self._earlier_high(step, rows)
+    def _hold_rebound(self, step: int, b: float) -> bool:
+        """The run was ``min_rise`` x the baseline before (its 5-row medians) and the level is below
+        ``rebound_margin`` x that earlier high."""
+        old = self._earlier_high(step)
         return (old is not None and old >= b + math.log(self.min_rise)
                 and math.log(self.level) < old + math.log(self.rebound_margin))
 
@@ -383,16 +368,16 @@ class CusumDetector:
     def _arm(self, step: int, is_return: bool) -> Alarm:
         return Alarm(step=step, baseline=self.baseline, is_return=is_return)
 
-    def _score_refs(self, step: int) -> Optional[tuple]:
+    def _score_refs(self, step: int, rows: list) -> Optional[tuple]:
         """The score's references at ``step``: its medians over the baseline window and OLD_STEPS/2-OLD_STEPS
         steps back (with their row counts) and its noise scale over the OLD_STEPS steps before the baseline
         window ends (a steadier scale than 20 steps give); None without a score there."""
         hi = step - self.lag
-        ref = _window(self.rows.score, hi - self.span, hi)
+        ref = _window(rows, hi - self.span, hi)
         if not ref:
             return None
-        old = _window(self.rows.score, step - OLD_STEPS, hi - self.span)
-        noise = max(_mean_scale(_window(self.rows.score, hi - OLD_STEPS, hi, NOISE_ROWS)), SCORE_FLOOR * abs(median(ref)))
+        old = _window(rows, step - OLD_STEPS, hi - self.span)
+        noise = max(_mean_scale(_window(rows, hi - OLD_STEPS, hi, NOISE_ROWS)), SCORE_FLOOR * abs(median(ref)))
         if not noise > 0:
             return None  # a score stuck at 0 has no noise to measure a fall in
         return median(ref), len(ref), median(old) if old else _NAN, len(old), noise
@@ -415,17 +400,18 @@ class CusumDetector:
         old = self._earlier_high(step)
         return old is not None and old >= b + math.log(self.min_rise)
 
-    def _score_z(self, step: int, least: Optional[int] = None, last: bool = False) -> Optional[float]:
-        """The score's level now (at least ``least`` observations; ``last``: its last ``least`` observations)
-        against its references, in noise units: the lower of the two (None: no score to compare)."""
+    def _score_z(self, step: int, least: Optional[int] = None) -> Optional[float]:
+        """The score's level now (at least ``least`` observations) against its references, in noise units: the
+        lower of the two (None: no score to compare). The score of a one-step length spike is left out, as the
+        spike is (its dip is that batch's composition: long answers are more often wrong or cut off)."""
         least = LEVEL_STEPS if least is None else least
-        refs = self._score_refs(step)
+        spikes = self._spikes()
+        rows = [r for r in self.rows.score if r[0] not in spikes]
+        refs = self._score_refs(step, rows)
         # at least LEVEL_STEPS observations for a fall: in a log written every few steps two long batches in a
-        # row score lower by their composition (long answers are more often wrong or cut off); a median of 5
-        # ignores them
-        rows = self.rows.score if refs else []
-        now = [v for s, v in rows if s > step - LEVEL_STEPS][-least:] if last else _recent(rows, step, least)
-        if len(now) < (least if last else 1):
+        # row score lower by their composition; a median of 5 ignores them
+        now = _recent(rows, step, least) if refs else []
+        if not now:
             return None
         ref, n_ref, old, n_old, noise = refs
         z = (median(now) - ref) / (MEDIAN_SD * noise * math.sqrt(1 / len(now) + 1 / n_ref))
@@ -446,8 +432,8 @@ class CusumDetector:
         up = 0
         for name, rows in self.rows.co.items():
             past = [r for r in rows if r[0] < step]  # read from the next step on (see observe)
-            # the last 3 steps read (steps < ``step``); a figure not logged there is held at its last observation
-            now = [r for r in past if r[0] >= step - FEW_ROWS] or ([] if fresh else past[-1:])
+            # the newest observation; a return's: its observations of the last FEW_ROWS steps (they rise with it)
+            now = [r for r in past if r[0] >= step - FEW_ROWS] if fresh else past[-1:]
             # the reference ends before the observations it is compared with
             end = min(hi, now[0][0] - 1) if now else hi
             up += self._risen(_logs([v for _, v in now]), past, math.log(WITNESS_RISE), end, log=True)
@@ -477,6 +463,7 @@ class CusumDetector:
         """The median of ``now`` is at least ``least`` and ``score_z`` noise units above the median of ``rows``
         over the ``span`` steps that end at ``hi`` (``log``: of their logs); the noise over the OLD_STEPS
         steps that end there (more rows than the span's: a steadier scale)."""
+        rows = [r for r in rows if r[0] > self.skip_first_steps]  # the first steps' format learning moves every figure
         ref = _window(rows, hi - self.span, hi)
         noise = _window(rows, hi - OLD_STEPS, hi, NOISE_ROWS)
         if log:
@@ -495,11 +482,11 @@ class CusumDetector:
                 out.add(s1)
         return out
 
-    def _earlier_high(self, step: int, rows=None) -> Optional[float]:
-        """The highest of ``rows`` (default: the 5-row medians) of the last ``rebound_memory`` steps before
-        the baseline window, skipped early steps included (a log value), or None."""
+    def _earlier_high(self, step: int) -> Optional[float]:
+        """The highest 5-row median of the last ``rebound_memory`` steps before the baseline window, skipped
+        early steps included (a log value), or None."""
         start = step - self.lag - self.span
-        old = [v for s, v in (self.rows.high if rows is None else rows)
+        old = [v for s, v in self.rows.high
                if s > step - self.rebound_memory and (s <= start or s <= self.skip_first_steps)]
         return max(old) if old else None
 
