@@ -211,7 +211,9 @@ def write_report(results, candidates, out_dir: Path, budget, reference, factor, 
     data["warnings"] = warnings
     data["complete"] = len(results) == len(candidates) and not interrupted
     data["not_run"] = [c.name for c in candidates[len(results):]]
-    figure = plot_tails(reports, out_dir / "admit.png") if final else None
+    figure = None
+    if final:  # progress lines read "lrstab admit ...": the figure's note joins them
+        figure = plot_tails(reports, out_dir / "admit.png", say=lambda line: say(line.removeprefix("lrstab: ")))
     data["figure"] = None if figure is None else str(figure)
     _write_atomic(out_dir / "admit.json", json.dumps(data, indent=1))
     _write_atomic(out_dir / "admit.md", report_table(budget, reports) + "\n"

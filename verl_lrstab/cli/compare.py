@@ -14,11 +14,11 @@ from verl_lrstab.cli.common import (
     add_scheduler_options,
     decay_steps,
     fmt,
-    plots_module,
     scheduler_config,
 )
 from verl_lrstab.cli.replay import KL_HELP, replay_run, replayed_length
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.plot_extra import load_plots
 from verl_lrstab.reward_crash import CRASH_WINDOW, DEFAULT_FRACTION, reward_crash, score_floor
 from verl_lrstab.runs import MissingMetricError, RunError, find_metric, load_run, metric_series
 
@@ -145,7 +145,6 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
 def cmd_compare(args) -> int:
     import pandas as pd
 
-    plots = plots_module()
     config = scheduler_config(args)
     for key in ("collapse_fraction", "cap_fraction", "crash_fraction"):
         value = getattr(args, key)
@@ -173,16 +172,18 @@ def cmd_compare(args) -> int:
             name = overrides.get(key) or find_metric(df, candidates)
             if name is not None and name in df.columns:
                 abandoned = [metric_series(a, name) for a in g[1] if name in a.columns] if g else []
-                curves.append(plots.Curve(label, metric_series(df, name), surge, decays, abandoned,
-                                          g[2] if g else []))
+                curves.append((label, metric_series(df, name), surge, decays, abandoned, g[2] if g else []))
                 names.append(name)
             elif key in overrides:
                 print(f"lrstab: {label} has no metric {overrides[key]} ({key} figure)", file=sys.stderr)
         if not curves:
             print(f"lrstab: figure {key} skipped: no run logs any of {list(candidates)}", file=sys.stderr)
             continue
-        path = plots.plot_curves(curves, title, " | ".join(dict.fromkeys(names)), out / f"{key}.png", logy=logy)
-        print(f"figure: {path}", file=sys.stderr)
+        plots = load_plots(f"figure {out / f'{key}.png'}")
+        if plots is not None:
+            path = plots.plot_curves([plots.Curve(*c) for c in curves], title,
+                                     " | ".join(dict.fromkeys(names)), out / f"{key}.png", logy=logy)
+            print(f"figure: {path}", file=sys.stderr)
 
     columns = ["run", "last_step", "peak_val", "peak_val_step", "final_val", "collapse_step", "collapse_rule",
                "surge_step", "decay_period", "logged_surge_step", "crash_step", "lead", "val_metric", "length_metric"]
