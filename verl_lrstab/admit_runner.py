@@ -123,7 +123,7 @@ def _run_all(launcher, base, candidates, steps, out_dir, budget, reference, fact
     results = []  # (candidate, per-step rows, findings, error, wall)
     joins = [f"++ray_kwargs.ray_init.address={ray_address}"] if ray_address else []
     say = progress or (lambda line: None)
-    data = None
+    data: dict = {}  # candidates are never empty (run_candidates checks): the last report
     try:
         for i, cand in enumerate(candidates, 1):
             results.append(_run_one(launcher, base + QUIET + joins, cand, steps, out_dir, env, cwd, timeout_s,
