@@ -62,7 +62,7 @@ def test_a_length_surge_run_warns_about_its_rollout_config_when_its_trainer_is_b
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
     cfg = verl_config("actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge",
                       "actor_rollout_ref.rollout.calculate_log_probs=false")
-    driver.check_run(cfg, require=lambda engine: None)
+    driver.check_run(cfg, require=lambda engine, trainer=None: None)
     assert "calculate_log_probs=false" in caplog.text and "[no_rollout_log_probs]" in caplog.text
     driver._length_surge_runs -= 1  # this test's trainer was never built
 

@@ -35,7 +35,7 @@ def trainer_config(*overrides):
         return compose(config_name="ppo_trainer", overrides=[f"{OPTIM}.lr_scheduler_type=length_surge", *overrides])
 
 
-def require_nothing(engine):  # check_run's registry check, tested on its own in test_failsafe.py
+def require_nothing(engine, trainer=None):  # check_run's registry check, tested on its own in test_failsafe.py
     return None
 
 

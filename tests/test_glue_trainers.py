@@ -134,7 +134,7 @@ def test_a_custom_mode_name_does_not_make_a_trainer_sync(custom_modes, base, is_
     cls = custom_modes("lrstab_custom", base)
     overrides = ("trainer.v1.trainer_mode=lrstab_custom",)
     if base is PPOTrainer:  # abstract: the class is judged as main_ppo would build it, by check_run's lookup
-        assert driver.check_run(config(*overrides), lambda engine: None) is is_async
+        assert driver.check_run(config(*overrides), lambda engine, trainer=None: None) is is_async
         return
     trainer = build(cls, config(*overrides))
     assert driver.checked_async(trainer) is is_async

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as md
+import importlib.util
 import os
 import re
 import shutil
@@ -81,7 +82,10 @@ def test_lrstab_check_verl_serves_a_verl_whose_targets_match(installed):
     assert lines[0].startswith(f"note verl {FAKE_VERL_VERSION} is not a tested release"), lines[0]
     assert not [line for line in lines if line.startswith("FAIL")]
     assert any("TrainingWorker.train_mini_batch" in line and line.startswith("ok") for line in lines)
-    assert lines[-1] == "verl-lrstab serves this verl: every check passed"
+    if importlib.util.find_spec("megatron") is None:  # the view holds this environment's packages: no megatron-core
+        assert lines[-1].startswith("verl-lrstab serves this verl only where it could check it: 1 check(s)"), lines[-1]
+    else:
+        assert lines[-1] == "verl-lrstab serves this verl: every check passed"
     # the installed console script and `python -m verl_lrstab` are one command
     helps = [env.run(*command, "--help").stdout for command in ([env.bin / "lrstab"], [env.python, "-m", "verl_lrstab"])]
     assert helps[0] == helps[1] and "check-verl" in helps[0]

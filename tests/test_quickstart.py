@@ -16,6 +16,7 @@ Installing the wheel into an existing verl environment (``pip install``): ``test
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import io
 import logging
@@ -102,7 +103,11 @@ def test_lrstab_check_verl_ends_with_the_line_the_readme_quotes():
     (quoted,) = re.findall(r"`lrstab check-verl` ends with\s+`([^`]+)`", QUICK)
     out = io.StringIO()
     assert check_verl.run(out) == 0
-    assert out.getvalue().splitlines()[-1] == quoted
+    last = out.getvalue().splitlines()[-1]
+    if importlib.util.find_spec("megatron") is None:  # `make install` alone: Megatron's engine check cannot run
+        assert last.startswith("verl-lrstab serves this verl only where it could check it: 1 check(s) could not run")
+    else:  # every runtime extra installed (make test): the README's line
+        assert last == quoted
     assert "pip install verl-lrstab" in blocks("bash")[0] and "lrstab check-verl" in blocks("bash")[0]
 
 

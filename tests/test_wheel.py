@@ -151,6 +151,29 @@ def test_python_m_verl_lrstab_is_the_lrstab_command():
     assert runs[0].stdout == runs[1].stdout and "check-verl" in runs[0].stdout
 
 
+def test_lrstab_version_and_python_m_verl_lrstab_version_print_the_packages_version(capsys):
+    import verl_lrstab
+    from verl_lrstab.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out == f"verl-lrstab {verl_lrstab.__version__}\n"
+    proc = subprocess.run([sys.executable, "-m", "verl_lrstab", "--version"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout == f"verl-lrstab {verl_lrstab.__version__}\n", proc.stderr
+
+
+#: The repository address docs/layout.md ("Publishing") gives; the metadata's three Project-URLs share it.
+PUBLISHED = re.search(r"`Repository`\s+(https://\S+?),", (ROOT / "docs" / "layout.md").read_text()).group(1)
+
+
+def test_the_metadata_names_the_repository_its_documentation_and_issues(wheel, wheel_files):
+    urls = dict(u.split(", ", 1) for u in metadata(wheel, wheel_files).get_all("Project-URL") or [])
+    assert set(urls) == {"Repository", "Documentation", "Issues"}, urls
+    assert urls["Repository"] == PUBLISHED and urls["Documentation"] == f"{PUBLISHED}/tree/main/docs"
+    assert urls["Issues"] == f"{PUBLISHED}/issues"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("build") is None or shutil.which("twine", path=str(Path(sys.executable).parent))
                     is None, reason="needs build and twine (make install puts them in .venv)")
 def test_python_m_build_gives_an_sdist_and_a_wheel_that_twine_check_passes(tmp_path):
@@ -170,6 +193,9 @@ def test_python_m_build_gives_an_sdist_and_a_wheel_that_twine_check_passes(tmp_p
     # the README names the manual and the configs by path: the source distribution carries them
     assert {"LICENSE", "CHANGELOG.md", "docs/integration.md", "configs/experiments/starter_gsm8k_length_surge.yaml"} \
         <= names
+    # no test at all (docs/layout.md, "Publishing": they need the whole checkout), nor a compiled file
+    assert not [n for n in names if n.split("/")[0] == "tests" or n.endswith(".pyc")], sorted(names)
+    assert {"verl_lrstab/cli/check_verl.py", "verl_lrstab/glue/registry.py", "pyproject.toml"} <= names
     twine = shutil.which("twine", path=str(Path(sys.executable).parent))
     check = subprocess.run([twine, "check", "--strict", *map(str, tmp_path.iterdir())], capture_output=True, text=True,
                            timeout=300)

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from verl_lrstab._numbers import finite_float
 from verl_lrstab.mismatch import TAIL_EDGES, TAIL_LABELS
+from verl_lrstab.plot_extra import load_plots
 
 FIGURES = ("k1", "k3", "seq_k3", "max_abs_diff", "frac_over_thr")
 DEFAULT_BUDGET_K3 = 5e-4
@@ -209,15 +210,15 @@ def report_table(budget: Budget, reports: Sequence[CandidateReport]) -> str:
     return "\n".join(lines)
 
 
-def plot_tails(reports: Sequence[CandidateReport], path, title: str = "per-token |log p_trainer - log p_rollout|"):
+def plot_tails(reports: Sequence[CandidateReport], path, title: str = "per-token |log p_trainer - log p_rollout|",
+               say=None):
     """Each candidate's survival function of the per-token ``|d|`` on log-log axes: the share of
     tokens above each decade edge (the largest ``|d|`` seen is in the legend).
 
     Returns:
-        The path written, or None when no candidate has tail figures.
+        The path written, or None when no candidate has tail figures or matplotlib does not import
+        (then one line through ``say``, default stderr, says how to get the figure).
     """
-    from verl_lrstab import plots
-
     curves = []
     for r in by_k3(reports):
         points = [(edge, r.tail[label]) for edge, label in zip(TAIL_EDGES, TAIL_LABELS) if r.tail.get(label, 0) > 0]
@@ -226,6 +227,7 @@ def plot_tails(reports: Sequence[CandidateReport], path, title: str = "per-token
         top = (r.figures.get("max_abs_diff") or {}).get("max")
         label = r.name + (f": k3 {r.k3:.2g}" if r.k3 is not None else "") + (f", max |d| {top:.2g}" if top else "")
         curves.append((label + f" ({r.verdict})", points))
-    if not curves:
+    plots = load_plots(f"figure {path}", say) if curves else None
+    if plots is None:
         return None
     return plots.plot_survival(curves, title, "|d| (nats)", "share of response tokens with |d| > x", path)

@@ -123,7 +123,7 @@ def _run_all(launcher, base, candidates, steps, out_dir, budget, reference, fact
     results = []  # (candidate, per-step rows, findings, error, wall)
     joins = [f"++ray_kwargs.ray_init.address={ray_address}"] if ray_address else []
     say = progress or (lambda line: None)
-    data = None
+    data: dict = {}  # candidates are never empty (run_candidates checks): the last report
     try:
         for i, cand in enumerate(candidates, 1):
             results.append(_run_one(launcher, base + QUIET + joins, cand, steps, out_dir, env, cwd, timeout_s,
@@ -211,7 +211,9 @@ def write_report(results, candidates, out_dir: Path, budget, reference, factor, 
     data["warnings"] = warnings
     data["complete"] = len(results) == len(candidates) and not interrupted
     data["not_run"] = [c.name for c in candidates[len(results):]]
-    figure = plot_tails(reports, out_dir / "admit.png") if final else None
+    figure = None
+    if final:  # progress lines read "lrstab admit ...": the figure's note joins them
+        figure = plot_tails(reports, out_dir / "admit.png", say=lambda line: say(line.removeprefix("lrstab: ")))
     data["figure"] = None if figure is None else str(figure)
     _write_atomic(out_dir / "admit.json", json.dumps(data, indent=1))
     _write_atomic(out_dir / "admit.md", report_table(budget, reports) + "\n"

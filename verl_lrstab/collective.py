@@ -52,7 +52,8 @@ def reduce_or_none(parts: Sequence[Part], group=None) -> list[Optional[torch.Ten
         ranks = torch.stack([g.cpu() for g in gathered])
     else:
         ranks = packed[None]
-    out, start = [], 0
+    out: list[Optional[torch.Tensor]] = []
+    start = 0
     for part in parts:
         n_sum = part.size - part.n_max
         block = ranks[:, start:start + part.size + 1]

@@ -248,7 +248,7 @@ class LengthSurgeConfig:
                    "null with decay_from_step set (the guard's rollback decay is not a detection to dismiss)")
 
     @classmethod
-    def from_dict(cls, options: Optional[Mapping[str, Any]]) -> "LengthSurgeConfig":
+    def from_dict(cls, options: "LengthSurgeConfig | Mapping[str, Any] | None") -> "LengthSurgeConfig":
         """Build from a mapping (a YAML node); unknown keys raise ``ValueError`` listing the known ones."""
         if options is None:
             return cls()._with_given(())

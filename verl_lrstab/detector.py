@@ -16,7 +16,7 @@ import logging
 import math
 from dataclasses import asdict, dataclass
 from statistics import median
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union, cast
 
 from verl_lrstab._numbers import finite_float
 from verl_lrstab.config import LengthSurgeConfig, options_for
@@ -89,6 +89,11 @@ class SurgeDetector:
 
     #: The fed figures this detector reads (the schedule logs the ones it is fed): the length alone.
     reads = ("response_length",)
+    # the windows' state, set by _reset_history and load_state_dict
+    _history: list[tuple[int, float]]
+    _first_step: Optional[int]
+    _first_values: list[float]
+    _streak_start: Optional[int]
 
     # -- public API (the one :class:`verl_lrstab.cusum.CusumDetector` has too) -----------------
     @property
@@ -156,7 +161,8 @@ class SurgeDetector:
 
     def state_dict(self) -> dict:
         """The full state, :class:`RatioState` as plain Python types (safe for ``torch.load(weights_only=True)``)."""
-        return asdict(RatioState(history=[[s, v] for s, v in self._history], first_step=self._first_step,
+        rows = cast("list[Row]", [[s, v] for s, v in self._history])  # saved as lists: from_state reads them back
+        return asdict(RatioState(history=rows, first_step=self._first_step,
                                  first_values=list(self._first_values), streak_start=self._streak_start,
                                  surge_steps=list(self.surge_steps), num_skipped=self.num_skipped,
                                  last_step=self.last_step, level=self.level, baseline=self.baseline, ratio=self.ratio))
@@ -172,8 +178,8 @@ class SurgeDetector:
 
     # -- helpers ----------------------------------------------------------------------------
     def _reset_history(self) -> None:
-        self._history: list[tuple[int, float]] = []
-        self._first_step: Optional[int] = None
-        self._first_values: list[float] = []
-        self._streak_start: Optional[int] = None
+        self._history = []
+        self._first_step = None
+        self._first_values = []
+        self._streak_start = None
 

@@ -19,7 +19,7 @@ Needs megatron-core (0.16.x and 0.19.x tested); no verl import here.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union, cast
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -107,7 +107,7 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
 
     def get_lr(self, param_group: dict) -> float:
         """The LR of the next update for ``param_group`` (its own ``max_lr``, as the stock class)."""
-        max_lr = param_group.get("max_lr", self.max_lr)
+        max_lr = cast(float, param_group.get("max_lr", self.max_lr))  # megatron-core sets both
         return self.constant_lr(max_lr) * self.schedule.decay_scale(self.num_steps + 1)
 
     def get_last_lr(self) -> list:

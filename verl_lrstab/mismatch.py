@@ -190,7 +190,7 @@ def finalize(stats: Optional[torch.Tensor], prefix: str = "mismatch/") -> Option
         seq_k1, seq_k3, max_abs_diff, frac_over_thr, frac_over_<e> (:data:`TAIL_LABELS`), n_tokens,
         n_nonfinite.
     """
-    if not covers_tokens(stats):
+    if stats is None or not covers_tokens(stats):
         return None
     s = dict(zip(STAT_FIELDS, stats.tolist()))
     n_tokens, n_seqs = s["n_tokens"], s["n_seqs"]
@@ -381,7 +381,7 @@ class FirstMiniBatchCapture:
                 self.observe(log_probs, rollout_log_probs, response_mask, n)
             return result
 
-        loss_with_capture.__wrapped__ = loss_fn
+        setattr(loss_with_capture, "__wrapped__", loss_fn)  # inspect.unwrap and verl see the loss it wraps
         return loss_with_capture
 
     def optimizer_pre_hook(self, group=None, on_reduced: Optional[Callable[[Optional[torch.Tensor]], None]] = None):

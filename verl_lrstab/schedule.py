@@ -30,7 +30,7 @@ from verl_lrstab.typed_state import from_state, is_integer, require
 
 #: The detectors by ``length_surge.detector`` (one interface: ``update``, ``observe``, ``metrics``, ``reads``,
 #: ``state_dict``), and the dataclasses their states are.
-DETECTORS = {"cusum": CusumDetector, "ratio": SurgeDetector}
+DETECTORS: "dict[str, type[CusumDetector | SurgeDetector]]" = {"cusum": CusumDetector, "ratio": SurgeDetector}
 DETECTOR_STATES = {"cusum": CusumState, "ratio": RatioState}
 #: What started the decay: the length detector, the mismatch trigger, the guard's ``decay_from_step``.
 TRIGGER_SOURCES = ("length", "mismatch", "guard")
@@ -309,6 +309,10 @@ class FedSchedule:
     _updates_per_step: int = 1
     _warmup_in_updates: Optional[int] = None  # the warmup as configured (in actor updates)
 
+    def metrics(self) -> dict:
+        """The ``lrstab/*`` figures of the last step: each scheduler's own (the glue logs them)."""
+        raise NotImplementedError
+
     def observe_update(self, figures: UpdateFigures) -> None:
         """Hand the scheduler one trainer step's figures.
 
@@ -447,6 +451,7 @@ class ReplayResult:
     trigger_step: Optional[int] = None
     cusum: list = field(default_factory=list)  # detector: cusum only
     fired_by: Optional[str] = None  # detector: cusum: the way the surge fired (verl_lrstab.cusum.WAYS)
+    cosignals: dict = field(default_factory=dict)  # lrstab replay: each co-signal fed -> the metric it was read from
 
 
 def replay(steps: Iterable[int], values: Iterable[Optional[float]],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional, Union
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -80,7 +81,7 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
                                            pg_clipfrac=pg_clipfrac)))
         super().step()
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:  # torch's type: a base LR may be a tensor
         scale = self.schedule.scale(self.last_epoch)
         return [base_lr * scale for base_lr in self.base_lrs]
 
@@ -104,9 +105,9 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
             "options": self.config.to_dict(),
         }
 
-    def _checkpoint_base_lrs(self, saved) -> list[float]:
+    def _checkpoint_base_lrs(self, saved) -> list[float | torch.Tensor]:
         """The checkpoint's initial LRs, which win over a changed ``optim.lr`` (a WARNING gives both)."""
-        base_lrs = [float(lr) for lr in saved]
+        base_lrs: list[float | torch.Tensor] = [float(lr) for lr in saved]
         if any(abs(a - b) > 1e-12 * max(abs(a), abs(b), 1.0) for a, b in zip(base_lrs, self._configured_lrs)):
             logger.warning("verl_lrstab: resuming with the checkpoint's initial LR %s; the configured "
                            "optim.lr %s is ignored (same as verl's stock schedulers)", base_lrs, self._configured_lrs)

@@ -104,7 +104,7 @@ def _check_options(c: "_Checker", state: dict, name: str) -> None:
                "the key to be present" if key in keys else "absent (not a length_surge option)")
 
 
-def check_schedule_state(state: Any, step: Optional[int] = None) -> None:
+def check_schedule_state(state: Any, step: Any = None) -> None:  # step: a label, "?" when unknown
     """``LengthSurgeSchedule.state_dict()``, read as :class:`verl_lrstab.schedule.ScheduleState` (every field of
     it and of the detector's and trigger's states present, known and of its type; rows ``[step, finite value]``)."""
     c = _Checker(step, "length_surge state")

@@ -70,7 +70,7 @@ def from_state(cls: type, state: Any, path: str = "") -> Any:
 def _read(kind, value, path: str):
     name = path or "state"
     origin, args = get_origin(kind), get_args(kind)
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         if not isinstance(value, dict):
             raise StateFieldError(name, value, f"a mapping of {sorted(f.name for f in dataclasses.fields(kind))}")
         hints = get_type_hints(kind)
@@ -122,6 +122,6 @@ def _read(kind, value, path: str):
 def _what(kind) -> str:
     if kind is Row:
         return "rows [integer step, finite value]"
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         return f"{kind.__name__} mappings"
     return {int: "integers", float: "numbers", str: "text", bool: "true or false"}.get(kind, str(kind))

@@ -21,7 +21,8 @@ accuracy falls from 0.44 to 0.05 from step 10), ``surge_at`` (a length surge fro
 ``fill_run_dir_at`` ({launch: step}: the same for the folder of the metrics file), ``pad_checkpoints`` (bytes of padding in each checkpoint), ``junk_at`` ({launch: step}:
 four lines after that step's that are JSON but not verl's shape). Each launch records, in
 ``alive_at_launch_K.txt`` beside the counter, which pids of ``$STANDIN_PIDS`` were alive as it started. For ``lrstab admit``: ``$STANDIN_K3`` (the per-step
-k3, comma-separated), ``$STANDIN_FAIL`` (fail with that error), ``$STANDIN_HANG`` (hang after step 1).
+k3, comma-separated), ``$STANDIN_TAIL`` (the shares of tokens over each ``|d|`` edge, 1e-6 to 1,
+comma-separated: the figure's data), ``$STANDIN_FAIL`` (fail with that error), ``$STANDIN_HANG`` (hang after step 1).
 """
 
 import json
@@ -154,6 +155,11 @@ def main():
                 "actor/lr": lr0 * s, "data/batch_index": batch, "actor/lrstab/lr_scale": s}
         if k3 is not None:
             data["actor/mismatch/k3"] = k3[(step - 1) % len(k3)]
+        if os.environ.get("STANDIN_TAIL"):
+            shares = [float(v) for v in os.environ["STANDIN_TAIL"].split(",")]
+            data["actor/mismatch/n_tokens"] = 100
+            data.update({f"actor/mismatch/frac_over_{label}": share
+                         for label, share in zip(("1e-6", "1e-5", "1e-4", "1e-3", "1e-2", "0.1", "1"), shares)})
         log.write(json.dumps({"step": step, "data": data}) + "\n")
         if script.get("junk_at", {}).get(str(launch)) == step:  # valid JSON, not verl's shape
             log.write('{"step": 5, "data": 0}\n[1, 2]\n{"data": {}}\n{"step": 1e400, "data": {}}\n')

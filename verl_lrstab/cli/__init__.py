@@ -6,6 +6,7 @@
     lrstab guard [options] -- python -m verl.trainer.main_ppo [verl overrides]
     lrstab admit --candidate NAME=OVERRIDES [...] -- python -m verl.trainer.main_ppo [verl overrides]
     lrstab check-verl
+    lrstab --version
 
 RUN is verl's file-logger JSONL, a TensorBoard log directory or a CSV with a step column
 (:mod:`verl_lrstab.runs`). The detector and the schedule are
@@ -21,6 +22,7 @@ import argparse
 import logging
 import sys
 
+from verl_lrstab import __version__
 from verl_lrstab.cli import admit, calibrate, check_verl, compare, guard, replay
 from verl_lrstab.cli.common import EXIT_ERROR
 from verl_lrstab.cli.compare import score_crash
@@ -35,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lrstab", description=__doc__.split("\n\n")[0].replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="show the detector's log lines")
+    parser.add_argument("--version", action="version", version=f"verl-lrstab {__version__}",
+                        help="print the installed verl-lrstab version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS:
         module.add_parser(sub)

@@ -10,6 +10,11 @@ at once against the verl of the current environment, one line per check::
     skip <check> (<why: the target's module needs a package verl does not require, e.g. megatron-core>)
     note <check> (<information: the verl release is not one the package was tested on>)
 
+The last lines are the verdict: the count of passed, skipped and failed checks, each skipped
+check again with its reason, and one line that says "every check passed" only when none was
+skipped or failed. A skipped check counts as not passed: a ``length_surge`` run that needs its
+target is refused before it trains (:func:`verl_lrstab.glue.registry.require`), as after a failed one.
+
 Exit status 0 when no check fails (``note`` and ``skip`` lines included), 1 otherwise, 1 also
 when verl is not installed.
 """
@@ -65,22 +70,38 @@ def line(name: str, ok, detail: str) -> str:
 
 
 def run(out=None) -> int:
-    """Print one line per check; return 1 if any failed (or verl is missing), else 0."""
+    """Print one line per check, then the verdict; return 1 if any failed (or verl is missing), else 0."""
     out = out or sys.stdout
     try:
         importlib.import_module("verl")
     except Exception as exc:  # noqa: BLE001 - no verl here: nothing to serve
         print(f"FAIL verl imports ({exc!r}): install verl-lrstab into the environment that runs verl", file=out)
         return 1
-    failed = 0
-    for name, ok, detail in checks():
+    results = list(checks())
+    for name, ok, detail in results:
         print(line(name, ok, detail), file=out)
-        failed += ok is False
-    summary = (f"verl-lrstab cannot serve this verl: {failed} check(s) failed; a length_surge run is refused "
-               "before it trains, stock schedulers are unaffected" if failed else
-               "verl-lrstab serves this verl: every check passed")
-    print(summary, file=out)
-    return 1 if failed else 0
+    for text in verdict(results):
+        print(text, file=out)
+    return 1 if any(ok is False for _, ok, _ in results) else 0
+
+
+def verdict(results: list) -> list[str]:
+    """The closing lines: the counts, each skipped check with its reason, and the one-line verdict (last)."""
+    passed = sum(ok is True for _, ok, _ in results)
+    skipped = [(name, detail) for name, ok, detail in results if ok is None]
+    failed = sum(ok is False for _, ok, _ in results)
+    lines = [f"checks: {passed} passed, {len(skipped)} skipped, {failed} failed"]
+    lines += [f"skipped: {name} ({detail})" for name, detail in skipped]
+    if failed:
+        lines.append(f"verl-lrstab cannot serve this verl: {failed} check(s) failed; a length_surge run is refused "
+                     "before it trains, stock schedulers are unaffected")
+    elif skipped:
+        lines.append(f"verl-lrstab serves this verl only where it could check it: {len(skipped)} check(s) could not "
+                     "run (above, each with the package it needs); a length_surge run that needs one of them is "
+                     "refused before it trains, stock schedulers are unaffected")
+    else:
+        lines.append("verl-lrstab serves this verl: every check passed")
+    return lines
 
 
 def cmd_check_verl(args) -> int:

@@ -80,14 +80,6 @@ def scheduler_config(args: argparse.Namespace) -> LengthSurgeConfig:
 
 
 # -- small helpers --------------------------------------------------------------------------------
-def plots_module():
-    try:
-        from verl_lrstab import plots
-    except ImportError as err:  # matplotlib is an extra: verl does not bring it
-        raise RunError(f"figures need matplotlib ({err}): pip install 'verl-lrstab[plot]'") from None
-    return plots
-
-
 def decay_steps(result: ReplayResult) -> list[int]:
     """The steps at which the replayed LR scale drops."""
     return [s for s, a, b in zip(result.steps[1:], result.lr_scale, result.lr_scale[1:]) if b < a]

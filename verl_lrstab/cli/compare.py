@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import Any, Optional
 
 from verl_lrstab.cli.common import (
     KL_METRICS,
@@ -14,11 +15,11 @@ from verl_lrstab.cli.common import (
     add_scheduler_options,
     decay_steps,
     fmt,
-    plots_module,
     scheduler_config,
 )
 from verl_lrstab.cli.replay import KL_HELP, replay_run, replayed_length
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.plot_extra import load_plots
 from verl_lrstab.reward_crash import CRASH_WINDOW, DEFAULT_FRACTION, reward_crash, score_floor
 from verl_lrstab.runs import MissingMetricError, RunError, find_metric, load_run, metric_series
 
@@ -94,7 +95,7 @@ def _labels(runs: list[str], given: list[str]) -> list[str]:
 
 def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, args) -> tuple[dict, tuple]:
     """One run's line of the compare table, and its (surge step, decay steps) marks."""
-    row = {"run": label, "last_step": int(df.index.max())}
+    row: dict[str, Any] = {"run": label, "last_step": int(df.index.max())}
     # the replay reads the length the trainer reads (an agentic run: the model's own tokens); the cap bounds
     # every response token, so the collapse to the cap is looked for on verl's length
     length_name = overrides.get("length") or find_metric(df, LENGTH_METRICS)
@@ -102,13 +103,14 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
         replayed, _ = replayed_length(df, overrides.get("length"), config)
     except MissingMetricError:
         replayed = None
-    marks, collapses = (None, []), []
-    if replayed in df.columns:
+    marks: tuple[Optional[int], list[int]] = (None, [])
+    collapses: list[tuple[int, str]] = []
+    if replayed is not None and replayed in df.columns:
         result, _ = replay_run(df, replayed, config, args.warmup_steps, args.kl_metric, args.score_metric,
                                args.clip_metric)
         row.update(surge_step=result.surge_step, decay_period=result.decay_period, length_metric=replayed)
         marks = (result.surge_step, decay_steps(result))
-    if length_name in df.columns:
+    if length_name is not None and length_name in df.columns:
         step = _cap_collapse(metric_series(df, length_name), args.max_response_length, args.cap_fraction)
         if step is not None:
             collapses.append((step, f"length >= {args.cap_fraction:g} x cap"))
@@ -120,7 +122,7 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
             lr = metric_series(df, lr_name)
             marks = (row["logged_surge_step"], [int(t) for t in lr.index[1:][lr.values[1:] < lr.values[:-1]]])
     val_name = overrides.get("val") or find_metric(df, FIGURES["val"][1])
-    if val_name in df.columns:
+    if val_name is not None and val_name in df.columns:
         val = metric_series(df, val_name)
         row.update(val_metric=val_name, peak_val=float(val.max()), peak_val_step=int(val.idxmax()),
                    final_val=float(val.iloc[-1]))
@@ -130,7 +132,7 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
     if collapses:
         row["collapse_step"], row["collapse_rule"] = min(collapses)
     score_name = overrides.get("score") or find_metric(df, SCORE_METRICS)
-    if score_name in df.columns:
+    if score_name is not None and score_name in df.columns:
         low = SCORE_MIN if score_name == "critic/score/mean" and SCORE_MIN in df.columns else None
         crash = score_crash(metric_series(df, score_name), args.crash_fraction,
                             score_min=metric_series(df, low) if low else None)
@@ -145,7 +147,6 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
 def cmd_compare(args) -> int:
     import pandas as pd
 
-    plots = plots_module()
     config = scheduler_config(args)
     for key in ("collapse_fraction", "cap_fraction", "crash_fraction"):
         value = getattr(args, key)
@@ -173,16 +174,18 @@ def cmd_compare(args) -> int:
             name = overrides.get(key) or find_metric(df, candidates)
             if name is not None and name in df.columns:
                 abandoned = [metric_series(a, name) for a in g[1] if name in a.columns] if g else []
-                curves.append(plots.Curve(label, metric_series(df, name), surge, decays, abandoned,
-                                          g[2] if g else []))
+                curves.append((label, metric_series(df, name), surge, decays, abandoned, g[2] if g else []))
                 names.append(name)
             elif key in overrides:
                 print(f"lrstab: {label} has no metric {overrides[key]} ({key} figure)", file=sys.stderr)
         if not curves:
             print(f"lrstab: figure {key} skipped: no run logs any of {list(candidates)}", file=sys.stderr)
             continue
-        path = plots.plot_curves(curves, title, " | ".join(dict.fromkeys(names)), out / f"{key}.png", logy=logy)
-        print(f"figure: {path}", file=sys.stderr)
+        plots = load_plots(f"figure {out / f'{key}.png'}")
+        if plots is not None:
+            path = plots.plot_curves([plots.Curve(*c) for c in curves], title,
+                                     " | ".join(dict.fromkeys(names)), out / f"{key}.png", logy=logy)
+            print(f"figure: {path}", file=sys.stderr)
 
     columns = ["run", "last_step", "peak_val", "peak_val_step", "final_val", "collapse_step", "collapse_rule",
                "surge_step", "decay_period", "logged_surge_step", "crash_step", "lead", "val_metric", "length_metric"]

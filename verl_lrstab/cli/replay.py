@@ -18,10 +18,10 @@ from verl_lrstab.cli.common import (
     decay_steps,
     fmt,
     LENGTH_METRICS,
-    plots_module,
     scheduler_config,
 )
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.plot_extra import load_plots
 from verl_lrstab.runs import (MissingMetricError, RunError, cosignal_columns, find_metric, length_column, load_run,
                               metric_series, replay_with_cosignals)
 from verl_lrstab.schedule import ReplayResult
@@ -127,9 +127,10 @@ def cmd_replay(args) -> int:
     metric, length_read = replayed_length(df, args.metric, config)
     result, values = replay_run(df, metric, config, args.warmup_steps, args.kl_metric, args.score_metric,
                                 args.clip_metric)
-    if args.plot:
-        plots_module().plot_replay(values, result.steps, result.lr_scale, result.baseline, result.surge_step,
-                                   metric, args.plot, title=f"lrstab replay: {Path(args.run).name}")
+    plots = load_plots(f"figure {args.plot}") if args.plot else None
+    if plots is not None:
+        plots.plot_replay(values, result.steps, result.lr_scale, result.baseline, result.surge_step,
+                          metric, args.plot, title=f"lrstab replay: {Path(args.run).name}")
     if args.json:
         out = {"surge_step": result.surge_step, "decay_period": result.decay_period,
                "steps": result.steps, "lr_scale": result.lr_scale}
@@ -146,7 +147,7 @@ def cmd_replay(args) -> int:
     if result.decay_period is not None and not decay_steps(result) and config.origin == "start":
         print(f"(origin start: the first halving is due at step {result.decay_period}, after the run's last step "
               f"{result.steps[-1]}; --origin surge halves right after the surge)")
-    if args.plot:
+    if plots is not None:
         print(f"plot: {args.plot}")
     return 0
 

@@ -105,7 +105,7 @@ def update_figure_stats(output) -> torch.Tensor:
     """``[sum, count]`` per :data:`UPDATE_FIGURES` entry of one update's metrics (verl's values: one
     per mini-batch, already gathered over the data-parallel group; the driver logs their mean).
     A rank that returns no output (not a model-parallel source rank) or a metric not logged adds 0."""
-    metrics = {}
+    metrics: dict = {}
     if output is not None:
         from verl.utils import tensordict_utils as tu
 

@@ -74,13 +74,15 @@ def run_is_async(config, trainer_cls: type) -> bool:
 def check_run(config, require, trainer=None) -> bool:
     """Refuse, before training, a ``length_surge`` run the glue cannot serve in this process.
 
-    ``require(engine)``: the registry's check that every wrap the run needs is installed here.
+    ``require(engine, trainer)``: the registry's check that every wrap the run needs is installed here
+    (``trainer``: ``v0`` or ``v1``, from ``trainer.use_v1``).
     ``trainer``: the trainer being built (its class decides whether the rollout is async; without
     it, the class main_ppo would build for the config). Returns whether the run is async.
     """
     global _length_surge_runs
     actor = config.actor_rollout_ref.actor
-    require("megatron" if actor.get("strategy") == "megatron" else "fsdp")
+    require("megatron" if actor.get("strategy") == "megatron" else "fsdp",
+            "v1" if config.trainer.get("use_v1", True) else "v0")
     options = length_surge_options(actor.optim.get("length_surge"))
     cls = type(trainer) if trainer is not None else trainer_class(config)
     is_async = run_is_async(config, cls)

@@ -145,16 +145,16 @@ def _guard_module(module) -> None:
                                "does not name length_surge", OPTIM_KEY.rsplit(".", 1)[0])
             _init(self, *args, **kwargs)
 
-        __init__._lrstab_guard = True
+        setattr(__init__, "_lrstab_guard", True)  # set on verl's class at run time: setattr says so
         if init is not None:
-            cls.__init__ = __init__
+            setattr(cls, "__init__", __init__)
         if post_init is not None:
             def __post_init__(self, _original=post_init):
                 if _names_length_surge(lambda key: getattr(self, key, None)):
                     check_usable()
                 _original(self)
 
-            cls.__post_init__ = __post_init__
+            setattr(cls, "__post_init__", __post_init__)
 
 
 def _names_length_surge(get) -> bool:

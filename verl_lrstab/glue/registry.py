@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
+from typing import Optional
 
 from verl_lrstab.glue import config_classes as configs
 from verl_lrstab.glue import driver, engine, refusals, worker
@@ -48,13 +49,15 @@ WRAPS: list = [
     *refusals.WRAPS,
 ]
 
-#: The modules whose wraps a ``length_surge`` run needs, by engine (besides the config module).
+#: The modules whose wraps a ``length_surge`` run needs: every run's, its engine's and its trainer's.
 REQUIRED_MODULES = {
-    "common": ("verl.workers.config", "verl.workers.engine_workers", "verl.trainer.ppo.rollout_corr_helper",
-               "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"),
+    "common": ("verl.workers.config", "verl.workers.engine_workers", "verl.trainer.ppo.rollout_corr_helper"),
     "fsdp": ("verl.workers.engine.fsdp.transformer_impl",),
     "megatron": ("verl.workers.engine.megatron.transformer_impl",),
+    "v0": ("verl.trainer.ppo.ray_trainer",),
+    "v1": ("verl.trainer.ppo.v1.trainer_base",),
 }
+TRAINERS = ("v0", "v1")
 
 _lock = threading.Lock()
 _installed = False
@@ -79,32 +82,58 @@ def _apply_all(wraps: list, module) -> None:
         apply(wrap, module)
 
 
-def require(engine_name: str) -> None:
+def require(engine_name: str, trainer: Optional[str] = None) -> None:
     """Refuse (:class:`~.failsafe.GlueUnavailable`) a ``length_surge`` run the glue cannot serve in this process.
 
     Imports the modules of every wrap the run needs, driver-side ones included, so that a
     wrap that cannot be installed fails the run wherever its config is first built (the
     driver validates the actor config before the trainer's modules are imported; the
-    workers never import them otherwise). A module whose non-verl dependency is absent is
-    skipped: verl cannot run that path here either.
+    workers never import them otherwise). A module that does not import refuses the run,
+    also where it needs a package verl does not require and that is not installed: its
+    wraps, and the checks ``lrstab check-verl`` reports as skipped, could not run.
+
+    Args:
+        engine_name: ``fsdp`` or ``megatron``.
+        trainer: ``v0`` or ``v1`` where the run's trainer is known (the driver's check of the
+            run, before it trains). None where only the actor's config is built: both trainers'
+            modules are imported, and one that needs a package not installed here is left to
+            the run's check (a V0 run does not need V1's TransferQueue).
     """
     install()
-    for name in REQUIRED_MODULES["common"] + REQUIRED_MODULES[engine_name]:
+    if trainer is not None and trainer not in TRAINERS:
+        raise ValueError(f"trainer={trainer!r}: allowed values are {list(TRAINERS)} or None")
+    run_modules = REQUIRED_MODULES["common"] + REQUIRED_MODULES[engine_name]
+    run_modules += REQUIRED_MODULES[trainer] if trainer else ()
+    for name in run_modules + tuple(m for t in TRAINERS for m in REQUIRED_MODULES[t] if m not in run_modules):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name and not exc.name.split(".")[0] == "verl":
-                continue
-            report_failure(name, exc)
+            if name in run_modules or (exc.name or "").split(".")[0] == "verl":
+                _report_once(name, _missing(name, exc))
             continue
         except Exception as exc:  # noqa: BLE001 - verl's module itself fails: reported, then refused below
-            report_failure(name, exc)
+            _report_once(name, exc)
             continue
         failed = {target for target, _ in FAILURES}
         for wrap in WRAPS:
             if wrap.module == name and wrap.required and wrap.target not in failed and not _is_wrapped(wrap, module):
                 apply(wrap, module)  # not yet (a hook that never ran): installs it or reports why not
     check_usable()
+
+
+def _report_once(name: str, exc: BaseException) -> None:
+    if name not in {target for target, _ in FAILURES}:  # every config built calls require: one ERROR is enough
+        report_failure(name, exc)
+
+
+def _missing(name: str, exc: ModuleNotFoundError) -> BaseException:
+    """The cause of a required module that does not import, naming the package to install where it is not verl."""
+    top = (exc.name or "").split(".")[0]
+    if not top or top == "verl":
+        return exc
+    return ModuleNotFoundError(f"{name} needs the module {top}, which is not installed here (verl imports it "
+                               "without requiring it): install the package that provides it; `lrstab check-verl` "
+                               "lists every check it skips", name=exc.name)
 
 
 def _is_wrapped(wrap: Wrap, module) -> bool:

@@ -189,6 +189,7 @@ def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_
     if pre_rejection_stats is None and has_log_probs:
         parts.append(Part(_local_mismatch(data), len(mismatch.STAT_FIELDS), n_max=1))
     length, score, model, *measured = reduce_or_none(parts, dp_group)
+    stats: Optional[torch.Tensor]
     if pre_rejection_stats is not None:
         stats = torch.tensor(list(pre_rejection_stats), dtype=torch.float64)
         model = _model_tokens_before_rejection(stats) if model is not None else None
@@ -220,7 +221,7 @@ def shows_bypass_mode(stats: Optional[torch.Tensor]) -> bool:
     agree on every token to the last bit (fp32 vs fp32 with other batch shapes differs by ~1e-7);
     bypass mode always does. Every rank holds the same global stats, so every rank takes the same branch.
     """
-    return mismatch.covers_tokens(stats) and stats[-1].item() == 0.0  # (the last field is max_abs)
+    return stats is not None and mismatch.covers_tokens(stats) and stats[-1].item() == 0.0  # the last: max_abs
 
 
 def _local_length(data, cap: Optional[int]) -> Optional[torch.Tensor]:

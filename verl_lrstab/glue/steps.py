@@ -61,8 +61,9 @@ class StepPosition(NamedTuple):
     """The driver's tag of an actor update: its index in the trainer step, the updates per step, whether the
     trainer mode is asynchronous, and the rollout's response cap (0: unknown, no clip ratio)."""
 
-    index: int
-    count: int
+    # the tag's field names, kept as they travel between driver and worker; they shadow tuple.index / .count
+    index: int  # type: ignore[assignment]
+    count: int  # type: ignore[assignment]
     is_async: bool
     cap: int
 
@@ -92,7 +93,7 @@ class StepState:
         self.clip_valid = True
         self.score = [0.0, 0.0]  # sum, count
         self.score_valid = True
-        self.mismatch = None  # stats tensor (sums, then max) or None
+        self.mismatch: Optional[torch.Tensor] = None  # stats tensor (sums, then max) or None
         self.mismatch_valid = True
         self.bypass = False  # the step's batches show verl's bypass mode
         self.logged: dict = {}  # the step's mismatch/* and lrstab/model_tokens figures, logged on its last update
@@ -295,7 +296,7 @@ def run_update(worker, data, scheduler: FedSchedule, batch: signals.BatchStats, 
     first = first_mini_batch_size(worker, data) if batch.bypass else 0  # what bypass mode captures
     state.add_batch(batch)
     figures = state.feed_figures(scheduler, position) if position.last else None
-    capture = contextlib.nullcontext()
+    capture: contextlib.AbstractContextManager = contextlib.nullcontext()
     if batch.bypass:  # old_log_probs := rollout_log_probs: the figures from the loss's own forward
         mismatch.warn_once("bypass")
         engine = worker.engine

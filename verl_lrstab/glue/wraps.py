@@ -145,15 +145,16 @@ def shape_checks(wrap: Wrap, module, current) -> Iterable[Check]:
 
 
 def _signature_check(wrap: Wrap, func) -> Check:
-    name = f"{wrap.target}{tuple(wrap.parameters)}"
+    expected = tuple(wrap.parameters or ())  # called for a function's wrap only (parameters given)
+    name = f"{wrap.target}{expected}"
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError) as exc:
         return name, False, f"no signature: {exc}"
-    head = [p.name for p in params[: len(wrap.parameters)]]
-    extra_required = [p.name for p in params[len(wrap.parameters):]
+    head = [p.name for p in params[: len(expected)]]
+    extra_required = [p.name for p in params[len(expected):]
                       if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    ok = head == list(wrap.parameters) and not extra_required
+    ok = head == list(expected) and not extra_required
     return name, ok, "" if ok else f"verl has {inspect.signature(func)}"
 
 
