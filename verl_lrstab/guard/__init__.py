@@ -4,5 +4,7 @@
 onset, the rollback's overrides); :mod:`.preflight` checks verl's checkpoint folder before a
 launch; :mod:`.state` reads and checks the run's state file; :mod:`.moves` sets checkpoints aside
 in an order no fault can turn into a loss; :mod:`.supervisor` runs verl's ``main_ppo`` and acts on
-them, under :mod:`.watchdog`; :mod:`.files` holds the atomic writes and the run folder's lock.
+them, under :mod:`.watchdog`; :mod:`.files` holds the atomic writes and the run folder's lock,
+:mod:`.lock` the checkpoint
+folder's.
 """

@@ -120,6 +120,29 @@ class RunPlan:
     batch_size: Optional[int] = None
 
 
+def _whole(cfg, key: str, default=None) -> Optional[int]:
+    """The integer at ``key`` of verl's config (None stays None); a value verl could not count with
+    (``abc``, ``2.5``, ``true``, a list) is a :class:`GuardError` naming the key."""
+    value = config_value(cfg, key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().lstrip("-").isdigit():
+        raise GuardError(f"{key}={value}: expected a whole number (verl counts steps and sizes with it)")
+    return int(value)
+
+
+def _number(cfg, key: str) -> Optional[float]:
+    value = config_value(cfg, key)
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise GuardError(f"{key}={value}: expected a number") from None
+
+
 def plan_run(cfg, cwd: Path) -> RunPlan:
     """Check the checkpoint settings of verl's composed config; refuse what can never roll back.
 
@@ -127,9 +150,9 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
         cfg: the composed ``ppo_trainer`` config (OmegaConf) of the guarded command.
         cwd: the directory the command runs in (verl's relative ``default_local_dir`` is under it).
     """
-    save_freq = int(config_value(cfg, "trainer.save_freq", -1))
-    total = config_value(cfg, "trainer.total_training_steps")
-    total = int(total) if total is not None else None
+    save_freq = _whole(cfg, "trainer.save_freq", -1)
+    save_freq = -1 if save_freq is None else save_freq
+    total = _whole(cfg, "trainer.total_training_steps")
     if save_freq <= 0:
         raise GuardError(f"trainer.save_freq={save_freq}: verl saves no checkpoint, so no rollback could ever find "
                          "one. Set trainer.save_freq to a number of steps (e.g. 10; a rollback costs up to that many)")
@@ -137,9 +160,9 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
         raise GuardError(f"trainer.save_freq={save_freq} with trainer.total_training_steps={total}: the only "
                          "checkpoint is the last step, so no rollback could ever use one. Set trainer.save_freq "
                          f"below {total}")
-    keep = config_value(cfg, "trainer.max_actor_ckpt_to_keep")
-    keep = int(keep) if keep is not None else None
-    contents = list(config_value(cfg, "actor_rollout_ref.actor.checkpoint.save_contents", ["model", "optimizer", "extra"]))
+    keep = _whole(cfg, "trainer.max_actor_ckpt_to_keep")
+    contents = config_value(cfg, "actor_rollout_ref.actor.checkpoint.save_contents", ["model", "optimizer", "extra"])
+    contents = [contents] if isinstance(contents, str) else list(contents or [])
     missing = [c for c in ("model", "optimizer", "extra") if c not in contents]
     if missing:
         raise GuardError(f"actor_rollout_ref.actor.checkpoint.save_contents={contents} lacks {missing}: verl cannot "
@@ -166,12 +189,10 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
     checkpoint_dir = Path(str(config_value(cfg, "trainer.default_local_dir", "checkpoints")))
     if not checkpoint_dir.is_absolute():
         checkpoint_dir = cwd / checkpoint_dir
-    seed = config_value(cfg, "actor_rollout_ref.rollout.seed")
-    lr = config_value(cfg, f"{OPTIM}.lr")
     return RunPlan(checkpoint_dir=checkpoint_dir, save_freq=save_freq, total_steps=total, keep=keep,
                    length_surge=ls, scheduler=str(config_value(cfg, f"{OPTIM}.lr_scheduler_type", "constant")),
-                   rollout_seed=int(seed) if seed is not None else None, warnings=warnings, resume_mode=resume_mode,
-                   lr=float(lr) if lr is not None else None,
+                   rollout_seed=_whole(cfg, "actor_rollout_ref.rollout.seed"), warnings=warnings,
+                   resume_mode=resume_mode, lr=_number(cfg, f"{OPTIM}.lr"),
                    async_save=bool(config_value(cfg, "actor_rollout_ref.actor.checkpoint.async_save", False)),
                    save_contents=tuple(contents), batch_size=_batch_size(cfg))
 
@@ -467,17 +488,27 @@ def rollback_overrides(checkpoint_dir: Path, checkpoint_step: int, period: int, 
     verl resumes from the chosen checkpoint (its own ``resume_mode=resume_path``); the LR schedule
     becomes ``length_surge`` (if it was not) with the decay started at the checkpoint's step
     (``decay_from_step``: the first halving on the first update after it, then every ``period``),
-    which wins over the scheduler state the checkpoint restores.
+    which wins over the scheduler state the checkpoint restores. Each is written in Hydra's grammar
+    and checked to read back as meant (:func:`.overrides.override`).
     """
-    out = [
-        "trainer.resume_mode=resume_path",
-        f"trainer.resume_from_path={checkpoint_dir / f'global_step_{checkpoint_step}'}",
-        f"{OPTIM}.lr_scheduler_type=length_surge",
-        f"++{OPTIM}.length_surge.decay_from_step={checkpoint_step if decay_from_step is None else decay_from_step}",
-        f"++{OPTIM}.length_surge.decay_period={period}",
-        f"++{OPTIM}.length_surge.monitor_only=false",
-        f"++{OPTIM}.length_surge.guard_rollbacks={attempt}",
+    from verl_lrstab.guard.overrides import override
+
+    out = resume_overrides(checkpoint_dir, checkpoint_step) + [
+        override(f"{OPTIM}.lr_scheduler_type", "length_surge"),
+        override(f"++{OPTIM}.length_surge.decay_from_step",
+                 checkpoint_step if decay_from_step is None else decay_from_step),
+        override(f"++{OPTIM}.length_surge.decay_period", period),
+        override(f"++{OPTIM}.length_surge.monitor_only", False),
+        override(f"++{OPTIM}.length_surge.guard_rollbacks", attempt),
     ]
     if options.reseed:
-        out.append(f"actor_rollout_ref.rollout.seed={(plan.rollout_seed or 0) + 1000 * attempt}")
+        out.append(override("actor_rollout_ref.rollout.seed", (plan.rollout_seed or 0) + 1000 * attempt))
     return out
+
+
+def resume_overrides(checkpoint_dir: Path, checkpoint_step: int) -> list[str]:
+    """verl's own resume from ``global_step_<checkpoint_step>`` (the path quoted as Hydra needs it)."""
+    from verl_lrstab.guard.overrides import override
+
+    return [override("trainer.resume_mode", "resume_path"),
+            override("trainer.resume_from_path", str(checkpoint_dir / f"global_step_{checkpoint_step}"))]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from verl_lrstab.guard.overrides import user_value
 from verl_lrstab.guard.plan import (TRACKER, GuardError, RunPlan, checkpoint_complete, read_tracker, step_folders,
                                     step_of)
 
@@ -91,7 +92,7 @@ def first_launch(plan: RunPlan, overrides: list[str], from_scratch: bool, cwd: P
                        "the old run's. Use an empty trainer.default_local_dir, resume_mode=auto to continue from "
                        "them, or --from-scratch to move them aside first")
     if mode == "resume_path":
-        path = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.resume_from_path=")), "")
+        path = user_value(overrides, "trainer.resume_from_path") or ""
         step = step_of(Path(path).name) if path else None
         if step is None or not _complete(plan, step) or (cwd / path).resolve().parent != ck.resolve():
             return _refuse(f"trainer.resume_from_path={path or '(unset)'}: not a complete global_step_N folder of "
