@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +32,14 @@ REASONS = ("surge", "reward_crash", "non_finite")
 LENGTH, SCORE, SCORE_MIN = "response_length/mean", "critic/score/mean", "critic/score/min"
 KL, CLIP = "actor/lrstab/mismatch_kl", "actor/lrstab/clip_ratio"
 NON_FINITE_KEYS = ("actor/grad_norm", "actor/pg_loss", "actor/loss")
-_STEP_DIR = re.compile(r"global_step_(\d+)")  # verl's directory_format "global_step_{}", matched whole
+# verl's directory_format "global_step_{}" of an int, matched whole: no leading zero (a user's global_step_011
+# is not step 11, whose folder is global_step_11)
+_STEP_DIR = re.compile(r"global_step_(0|[1-9]\d*)")
 
 
 def step_of(name: str) -> Optional[int]:
     """N of a folder named exactly ``global_step_N`` (as verl names its checkpoints), else None:
-    ``best_global_step_60`` or ``global_step_60.bak`` are a user's, not verl's."""
+    ``best_global_step_60``, ``global_step_60.bak`` or ``global_step_060`` are a user's, not verl's."""
     m = _STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
@@ -225,8 +228,10 @@ def read_tracker(checkpoint_dir: Path) -> Optional[int]:
 def write_tracker(checkpoint_dir: Path, step: int) -> None:
     """Rewrite verl's tracker atomically (write + rename): a guard killed in between leaves the old one,
     never an empty file (with which verl's ``auto`` resume would silently train from scratch); a
-    failed write (a full or read-only disk) leaves the old one and no temporary file."""
-    write_atomic(checkpoint_dir / TRACKER, str(step))
+    failed write (a full or read-only disk) leaves the old one and no temporary file. A tracker that is
+    a symlink (a shared tracker kept elsewhere) stays one: the file it points to is rewritten."""
+    path = checkpoint_dir / TRACKER
+    write_atomic(Path(os.path.realpath(path)) if path.is_symlink() else path, str(step))
 
 
 def checkpoint_complete(folder: Path, contents=("model", "optimizer", "extra"), tracker: Optional[int] = None,
@@ -336,11 +341,37 @@ def checkpoint_failed_to_load(log: str) -> bool:
     ``load_state_dict``), or a death after the load began (:data:`LOAD_BEGINS`) and before it
     ended (:data:`LOADED`) with no traceback (killed while loading). A launch that died before the
     load began, or after it ended (at the first step), does not blame the checkpoint."""
-    if any(m in log for m in LOADED):
+    return _blames(_load_marks(log))
+
+
+def log_failed_to_load(path: Path, block: int = 1 << 20) -> bool:
+    """:func:`checkpoint_failed_to_load` of verl's output file ``path``, read ``block`` characters at a
+    time (a long run's output is hundreds of MB: never held whole; a line cut between two blocks is
+    read across them). An unreadable file blames nothing."""
+    marks: set = set()
+    tail = ""
+    try:
+        with open(path, errors="replace") as f:
+            while chunk := f.read(block):
+                text = tail + chunk
+                marks |= _load_marks(text)
+                tail = text[-512:]
+    except OSError:
         return False
-    if _LOAD_FAILED.search(log):
-        return True
-    return any(m in log for m in LOAD_BEGINS) and "Traceback" not in log
+    return _blames(marks)
+
+
+def _load_marks(text: str) -> set:
+    return ({"loaded"} if any(m in text for m in LOADED) else set()) \
+        | ({"failed"} if _LOAD_FAILED.search(text) else set()) \
+        | ({"begins"} if any(m in text for m in LOAD_BEGINS) else set()) \
+        | ({"traceback"} if "Traceback" in text else set())
+
+
+def _blames(marks: set) -> bool:
+    if "loaded" in marks:
+        return False
+    return "failed" in marks or ("begins" in marks and "traceback" not in marks)
 
 
 # -- trouble ----------------------------------------------------------------------------------------

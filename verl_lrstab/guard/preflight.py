@@ -14,6 +14,7 @@ Pure: reads the folder, decides, writes nothing (:mod:`.moves` makes the moves).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -94,6 +95,12 @@ def first_launch(plan: RunPlan, overrides: list[str], from_scratch: bool, cwd: P
     if mode == "resume_path":
         path = user_value(overrides, "trainer.resume_from_path") or ""
         step = step_of(Path(path).name) if path else None
+        if path and step is None and re.fullmatch(r"global_step_\d+", Path(path).name):
+            return _refuse(f"trainer.resume_from_path={path}: verl names the checkpoint of step "
+                           f"{int(Path(path).name[12:])} global_step_{int(Path(path).name[12:])} (no leading zero), "
+                           f"so it would save that step's next checkpoints beside this copy, and the guard rolls back "
+                           f"only within verl's own folders. Rename it to global_step_{int(Path(path).name[12:])}, "
+                           "or name that folder")
         if step is None or not _complete(plan, step) or (cwd / path).resolve().parent != ck.resolve():
             return _refuse(f"trainer.resume_from_path={path or '(unset)'}: not a complete global_step_N folder of "
                            f"{ck} (the guard resumes from and rolls back within that folder). Name one of "

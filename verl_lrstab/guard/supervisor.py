@@ -34,7 +34,7 @@ from verl_lrstab.guard.lock import LOCK_FILE, CheckpointLock, CheckpointsBusy
 from verl_lrstab.guard.metrics import MetricsFile
 from verl_lrstab.guard.moves import Progress, carry_out, local_dir, skipped_data_state
 from verl_lrstab.guard.overrides import key_of, override, rejected_override, user_value
-from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, checkpoint_failed_to_load,
+from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, log_failed_to_load,
                                     checkpoint_steps, choose_checkpoint, compounded_rule, decay_period_for,
                                     find_trouble, halvings_in_force, no_checkpoint_reason, plan_run, read_tracker,
                                     resume_overrides, rollback_overrides, stale_tracker, step_folders, step_of)
@@ -127,8 +127,14 @@ class EventLog:
     def __init__(self, path: Path):
         self.path = path
 
-    def write(self, event: str, step: Optional[int], **fields) -> dict:
+    def write(self, event: str, step: Optional[int], id: Optional[str] = None, **fields) -> Optional[dict]:
+        """Append the event; one with an ``id`` already in the file (a journal being redone) is not
+        written again (returns None)."""
+        if id is not None and self.has(id):
+            return None
         record = {"event": event, "step": step, "time": round(time.time(), 3), **fields}
+        if id is not None:
+            record["id"] = id
         with io_step(f"append the {event!r} event to", self.path), open(self.path, "a+b") as f:
             cut = False
             if f.seek(0, os.SEEK_END) > 0:
@@ -138,6 +144,22 @@ class EventLog:
             f.write((b"\n" if cut else b"") + json.dumps(record).encode() + b"\n")
         return record
 
+    def has(self, id: str) -> bool:
+        """Whether an event with this ``id`` is in the file (a line cut off is not one)."""
+        with io_step("read the events of", self.path):
+            try:
+                lines = self.path.read_text(errors="replace").splitlines()
+            except FileNotFoundError:
+                return False
+        for line in lines:
+            if id in line:
+                try:
+                    if json.loads(line).get("id") == id:
+                        return True
+                except (ValueError, AttributeError):
+                    continue
+        return False
+
 
 def _next_index(folder: Path, pattern: str) -> int:
     """1 + the largest K of the existing ``pattern.format(K)`` names in ``folder`` (1 when none)."""
@@ -145,13 +167,6 @@ def _next_index(folder: Path, pattern: str) -> int:
     ks = [int(n[len(prefix):len(n) - len(suffix)]) for n in (p.name for p in folder.glob(pattern.replace("{}", "*")))
           if n[len(prefix):len(n) - len(suffix)].isdigit()] if folder.is_dir() else []
     return max(ks, default=0) + 1
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
 
 
 def _is_guard(pid) -> bool:
@@ -373,8 +388,10 @@ class Guard:
                               error=str(err), status=STATUS_IO_ERROR)
         except GuardIOError:
             pass  # the run folder itself is full or read-only: the message below is all there is
+        tracker = read_tracker(self.plan.checkpoint_dir)
         where = (self._progress.describe() if self._progress is not None else
-                 "the guard moved no checkpoint, and verl's tracker is as verl left it")
+                 f"no checkpoint was being moved (verl's tracker names step {tracker}; the checkpoints the guard "
+                 f"set aside before are named by the set_aside events in {self.events.path})")
         say(f"lrstab guard: error: {err}. verl was stopped; {where}; {self.run_dir / STATE} is the last one written "
             f"whole{' (it holds the decided moves: --resume finishes them)' if self._progress else ''}. Free space "
             f"or make the folder writable, then: lrstab guard --resume {self.run_dir}")
@@ -461,7 +478,7 @@ class Guard:
             if trouble is None:
                 log = seg.with_suffix(".log")
                 loaded = target if target is not None else (self._user_start() or None)  # the first launch's own
-                if loaded is not None and not read_metrics(seg) and checkpoint_failed_to_load(_read_text(log)):
+                if loaded is not None and not read_metrics(seg) and log_failed_to_load(log):
                     # the checkpoint did not load (verl says so, or died while loading): try the next older one
                     target = loaded
                     st["bad_checkpoints"].append(target)
@@ -524,12 +541,15 @@ class Guard:
             # that dies or fails in between finishes them on --resume (_finish_pending)
             st["segments"][-1][0] = str(dest / "metrics.jsonl")
             st["after"], target = ckpt, ckpt
-            st["pending"] = self._pending(ckpt, dest, segment=str(seg), skip=self.options.skip_batches)
+            # the rollback event is part of the decision: written when the journal is carried out (once)
+            rollback = {"event": "rollback", "step": trouble.step, "id": f"rollback-{dest}", "checkpoint_step": ckpt,
+                        "onset_step": trouble.onset, "attempt": st["attempt"], "reason": trouble.reason,
+                        "decay_period": rule["decay_period"], "decay_from_step": rule["decay_from_step"],
+                        "halvings_at_checkpoint": rule["halvings"], "skip_batches": rule["skip_batches"],
+                        "abandoned_metrics": str(dest / "metrics.jsonl")}
+            st["pending"] = self._pending(ckpt, dest, segment=str(seg), skip=self.options.skip_batches,
+                                          events=[rollback])
             self._save()
-            self.events.write("rollback", trouble.step, checkpoint_step=ckpt, onset_step=trouble.onset,
-                              attempt=st["attempt"], reason=trouble.reason, decay_period=rule["decay_period"],
-                              decay_from_step=rule["decay_from_step"], halvings_at_checkpoint=rule["halvings"],
-                              skip_batches=rule["skip_batches"], abandoned_metrics=str(dest / "metrics.jsonl"))
             say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}): rollback "
                 f"{st['attempt']} to the checkpoint at step {ckpt}, LR x{self.plan.length_surge.gamma:g} of the LR "
                 f"in force there ({rule['halvings']} decay(s)), then every {rule['decay_period']} steps",
@@ -559,11 +579,13 @@ class Guard:
         self._set_aside(step, "incomplete", skip)
         return step
 
-    def _pending(self, step: Optional[int], dest: Path, segment: Optional[str] = None, skip: int = 0) -> dict:
-        """The journal entry of a set-aside (:mod:`.moves`): keep ``step`` (None: nothing, from scratch)."""
+    def _pending(self, step: Optional[int], dest: Path, segment: Optional[str] = None, skip: int = 0,
+                 events: Sequence[dict] = ()) -> dict:
+        """The journal entry of a set-aside (:mod:`.moves`): keep ``step`` (None: nothing, from scratch);
+        ``events``: written (each once) before the moves are made."""
         return {"checkpoint_step": step or 0, "scratch": step is None, "dest": str(dest),
                 "local": str(local_dir(self.plan.checkpoint_dir, self.run_dir, dest)), "segment": segment,
-                "skip_batches": skip}
+                "skip_batches": skip, "events": list(events)}
 
     def _set_aside(self, step: Optional[int], kind: str, skip: int = 0) -> None:
         """Move the ``global_step_N`` folders after ``step`` (all of them when None) aside to a fresh
@@ -580,13 +602,20 @@ class Guard:
         pending = self.state.get("pending")
         if not pending:
             return
+        for event in pending.get("events") or []:  # the decision's own events (a rollback's), each once
+            self.events.write(event["event"], event.get("step"),
+                              **{k: v for k, v in event.items() if k not in ("event", "step")})
         self._progress = Progress(self.plan.checkpoint_dir, pending["checkpoint_step"],
                                   scratch=bool(pending.get("scratch")))
         carry_out(self.plan.checkpoint_dir, pending, self._progress, self.plan.save_contents,
                   local=Path(pending["local"]) if pending.get("local") else None, batch_size=self.plan.batch_size)
-        if self._progress.moved:
+        # what this set-aside moved, those a guard that died midway moved included: its destination holds them
+        dest = Path(pending["dest"])
+        moved = {p.name: str(p.resolve()) for p in sorted(dest.iterdir()) if step_of(p.name) is not None} \
+            if dest.is_dir() else {}
+        if moved:
             self.events.write("set_aside", None if pending.get("scratch") else pending["checkpoint_step"],
-                              dest=pending["dest"], moved=dict(self._progress.moved))
+                              id=f"set_aside-{dest}", dest=pending["dest"], moved=moved)
         self.state["pending"] = None
         self._save()
         self._progress = None
