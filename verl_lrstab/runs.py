@@ -133,13 +133,14 @@ def find_metric(df: pd.DataFrame, candidates: Sequence[str]) -> str | None:
 _WARNED: set = set()  # ((device, inode), line number) of the unreadable lines already warned about
 
 
-def read_metrics(path: os.PathLike) -> dict[int, dict]:
+def read_metrics(path: os.PathLike, name: os.PathLike | None = None) -> dict[int, dict]:
     """verl's file-logger JSONL (``{"step": N, "data": {...}}`` per line) as ``{step: data}``.
 
     A line being written while we read (no newline yet) is ignored; lines of the same step are
     merged (later values win). A whole line that is not of that shape (not JSON, ``data`` not a
     mapping, ``step`` missing or not a finite whole number) is skipped with one warning naming the
-    file and the line (once per line, however often the file is read again).
+    file (``name``, when ``path`` is another way to it) and the line (once per line, however often
+    the file is read again).
     """
     out: dict[int, dict] = {}
     path = Path(path)
@@ -165,7 +166,7 @@ def read_metrics(path: os.PathLike) -> dict[int, dict]:
                 _WARNED.add((ident, lineno))
                 shown = line if len(line) <= 80 else line[:77] + "..."
                 logger.warning("verl_lrstab: %s:%d: skipped, not a verl file-logger line "
-                               '({"step": <int>, "data": {...}} expected): %s', path, lineno, shown)
+                               '({"step": <int>, "data": {...}} expected): %s', name or path, lineno, shown)
             continue
         out.setdefault(step, {}).update(data)
     return out

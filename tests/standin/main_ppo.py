@@ -39,13 +39,30 @@ import torch
 WORLD = 2
 
 
+SUPPORTED_LOGGERS = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "console", "clearml", "trackio",
+                     "file")  # verl 0.9.1's Tracking.supported_backend
+
+
 def overrides(argv):
+    """The overrides as verl reads them: Hydra's own parser (quotes and escapes undone); a value Hydra
+    refuses fails the launch as verl's Hydra main would."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([a for a in argv if "=" in a and not a.startswith("-")])
     out = {}
-    for a in argv:
-        if "=" in a and not a.startswith("-"):
-            k, v = a.split("=", 1)
-            out[k.lstrip("+")] = v
+    for ov in parsed:
+        value = ov.value()
+        out[ov.key_or_group] = value if isinstance(value, (str, list)) else str(value).lower() \
+            if isinstance(value, bool) else str(value)
     return out
+
+
+def tracking_backends(value):
+    """verl's Tracking: a string is one backend; each must be one it supports (else an AssertionError)."""
+    backends = [value] if isinstance(value, str) else list(value)
+    for backend in backends:
+        assert backend in SUPPORTED_LOGGERS, f"{backend} is not supported"
+    return backends
 
 
 def scale(update, start, period):
@@ -104,6 +121,7 @@ def main():
         print(f"ValueError: {os.environ['STANDIN_FAIL']}", file=sys.stderr, flush=True)
         return 1
     k3 = [float(v) for v in os.environ["STANDIN_K3"].split(",")] if os.environ.get("STANDIN_K3") else None
+    tracking_backends(o.get("trainer.logger", ["console", "wandb"]))
     total, save_freq = int(o["trainer.total_training_steps"]), int(o.get("trainer.save_freq", -1))
     ckdir = Path(o.get("trainer.default_local_dir", "checkpoints"))
     lr0 = float(o.get("actor_rollout_ref.actor.optim.lr", 1e-3))

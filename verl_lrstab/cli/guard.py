@@ -10,6 +10,7 @@ from pathlib import Path
 
 
 def cmd_guard(args) -> int:
+    from verl_lrstab.guard.files import say
     from verl_lrstab.guard.plan import GuardError, GuardOptions
     from verl_lrstab.guard.supervisor import Guard
 
@@ -28,11 +29,11 @@ def cmd_guard(args) -> int:
         else:
             guard = Guard(command, run_dir=Path(args.run_dir) if args.run_dir else None, options=options)
     except GuardError as err:
-        print(f"lrstab guard: error: {err}", file=sys.stderr)
+        say(f"lrstab guard: error: {err}")
         return 2
     logging.getLogger("verl_lrstab").setLevel(logging.WARNING)
     status = guard.run()
-    print(guard.run_dir)
+    say(str(guard.run_dir), file=sys.stdout)
     return status
 
 
@@ -47,9 +48,9 @@ def add_parser(sub) -> None:
                                    "in force at its checkpoint). A verl crash is restarted from the newest complete "
                                    "checkpoint (--max-restarts). The state is kept in the run folder: a killed guard "
                                    "stops verl, and --resume RUN_DIR (or the same command with the same --run-dir) "
-                                   "continues on the same LR rule. One guard per run folder (a second is refused). Exit "
+                                   "continues on the same LR rule. One guard per checkpoint folder and per run folder (a second is refused). Exit "
                                    "status: 0 finished, 2 a bad command, option or state file, a checkpoint folder "
-                                   "verl could not resume from as it is, or another guard holds the run folder, 3 gave up (too many rollbacks or no checkpoint), 4 verl "
+                                   "verl could not resume from as it is, or another guard holds the checkpoint or run folder, 3 gave up (too many rollbacks or no checkpoint), 4 verl "
                                    "failed, 5 the guard's own file operation failed (a full or read-only disk: "
                                    "--resume once fixed), 128+N stopped by signal N.")
     p.add_argument("--run-dir", help="events, segments and the final metrics (default: next to verl's checkpoints, "
@@ -65,7 +66,8 @@ def add_parser(sub) -> None:
         p.add_argument(f"--no-{name}", action="store_true", help=f"do not roll back on {what}")
     p.add_argument("--reseed", action="store_true", help="change the rollout seed on each rollback")
     p.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue the guarded run of RUN_DIR (after the guard itself died); no command needed")
+                   help="continue the guarded run of RUN_DIR on its LR rule (after the guard itself died, or after "
+                        "verl failed with its restarts used up, once the cause is fixed); no command needed")
     p.add_argument("--max-restarts", type=int, default=1,
                    help="restarts from the newest complete checkpoint after a verl crash outside a rollback (default 1)")
     p.add_argument("--max-resume-tries", type=int, default=3,

@@ -12,6 +12,7 @@ import errno
 import fcntl
 import json
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,6 +35,23 @@ def io_step(operation: str, path):
         raise
     except OSError as err:
         raise GuardIOError(operation, path, err) from err
+
+
+def say(text: str, file=None, flush: bool = True) -> None:
+    """Print one of the guard's lines (to stderr unless ``file``). A closed output channel (``| head``
+    gone: EPIPE; a closed terminal: EIO) must not stop the guard midway through a rollback: the
+    stream is pointed at /dev/null (so later lines, and Python's flush at exit, go nowhere quietly)
+    and the guard goes on; its events in the run folder are the record."""
+    stream = sys.stderr if file is None else file
+    try:
+        print(text, file=stream, flush=flush)
+    except OSError:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, stream.fileno())
+            os.close(null)
+        except (OSError, ValueError, AttributeError):  # no descriptor (a test's StringIO): drop the line
+            pass
 
 
 def write_atomic(path: Path, text: str) -> None:

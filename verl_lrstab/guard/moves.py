@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from verl_lrstab.guard.files import GuardIOError, io_step, write_atomic
+from verl_lrstab.guard.files import GuardIOError, io_step
 from verl_lrstab.guard.plan import (TRACKER, GuardError, checkpoint_complete, read_tracker, step_folders,
                                     write_tracker)
 
@@ -140,6 +140,17 @@ def _move_file(src: Path, dest: Path) -> None:
         os.unlink(src)
 
 
+def _link_or_copy(src: Path, dest: Path) -> None:
+    """``dest`` as a second name of the file ``src`` (a hard link: no space, nothing read); where the file
+    system refuses links, a copy written in blocks under a temporary name and renamed."""
+    try:
+        os.link(src, dest)
+    except OSError:
+        tmp = dest.with_name(dest.name + PARTIAL)
+        shutil.copyfile(src, tmp)
+        os.rename(tmp, dest)
+
+
 def _renamed(src: Path, dest: Path) -> bool:
     """Rename ``src`` to ``dest``: True when done, False across file systems (``EXDEV``)."""
     try:
@@ -238,6 +249,11 @@ def carry_out(checkpoint_dir: Path, pending: dict, progress: Progress, contents=
     kept = checkpoint_dir / f"global_step_{step}"
     progress.tracker_before = read_tracker(checkpoint_dir)
     progress.left = [f"global_step_{s}" for s in step_folders(checkpoint_dir) if s > step]
+    mounts = [name for name in progress.left if os.path.ismount(checkpoint_dir / name)]
+    if mounts:  # a rename of a mount point is EBUSY, each time: refused before anything moves
+        raise GuardError(f"{checkpoint_dir / mounts[0]} is a mount point: the guard cannot move it aside (the rename "
+                         "is refused with EBUSY), and verl would save over it; nothing was moved. Unmount it (or "
+                         "copy its contents out and remove the folder), then continue with --resume")
     if scratch:  # --from-scratch, or nothing complete to keep: every folder aside, then the tracker
         _move_all(checkpoint_dir, dest, local or checkpoint_dir / LOCAL / dest.name, progress)
         tracker = checkpoint_dir / TRACKER
@@ -266,8 +282,8 @@ def carry_out(checkpoint_dir: Path, pending: dict, progress: Progress, contents=
                 moved.write_text("")
         log = seg.with_suffix(".log")
         if log.exists() and not (dest / "verl.log").exists():
-            with io_step("copy verl's log to", dest / "verl.log"):
-                write_atomic(dest / "verl.log", log.read_text(errors="replace"))
+            with io_step("link verl's log to", dest / "verl.log"):
+                _link_or_copy(log, dest / "verl.log")
     _move_all(checkpoint_dir, dest, local or checkpoint_dir / LOCAL / dest.name, progress, after=step)
     if pending.get("skip_batches"):
         with io_step("move the dataloader position in", kept / "data.pt"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +32,14 @@ REASONS = ("surge", "reward_crash", "non_finite")
 LENGTH, SCORE, SCORE_MIN = "response_length/mean", "critic/score/mean", "critic/score/min"
 KL, CLIP = "actor/lrstab/mismatch_kl", "actor/lrstab/clip_ratio"
 NON_FINITE_KEYS = ("actor/grad_norm", "actor/pg_loss", "actor/loss")
-_STEP_DIR = re.compile(r"global_step_(\d+)")  # verl's directory_format "global_step_{}", matched whole
+# verl's directory_format "global_step_{}" of an int, matched whole: no leading zero (a user's global_step_011
+# is not step 11, whose folder is global_step_11)
+_STEP_DIR = re.compile(r"global_step_(0|[1-9]\d*)")
 
 
 def step_of(name: str) -> Optional[int]:
     """N of a folder named exactly ``global_step_N`` (as verl names its checkpoints), else None:
-    ``best_global_step_60`` or ``global_step_60.bak`` are a user's, not verl's."""
+    ``best_global_step_60``, ``global_step_60.bak`` or ``global_step_060`` are a user's, not verl's."""
     m = _STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
@@ -120,6 +123,29 @@ class RunPlan:
     batch_size: Optional[int] = None
 
 
+def _whole(cfg, key: str, default=None) -> Optional[int]:
+    """The integer at ``key`` of verl's config (None stays None); a value verl could not count with
+    (``abc``, ``2.5``, ``true``, a list) is a :class:`GuardError` naming the key."""
+    value = config_value(cfg, key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().lstrip("-").isdigit():
+        raise GuardError(f"{key}={value}: expected a whole number (verl counts steps and sizes with it)")
+    return int(value)
+
+
+def _number(cfg, key: str) -> Optional[float]:
+    value = config_value(cfg, key)
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise GuardError(f"{key}={value}: expected a number") from None
+
+
 def plan_run(cfg, cwd: Path) -> RunPlan:
     """Check the checkpoint settings of verl's composed config; refuse what can never roll back.
 
@@ -127,9 +153,9 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
         cfg: the composed ``ppo_trainer`` config (OmegaConf) of the guarded command.
         cwd: the directory the command runs in (verl's relative ``default_local_dir`` is under it).
     """
-    save_freq = int(config_value(cfg, "trainer.save_freq", -1))
-    total = config_value(cfg, "trainer.total_training_steps")
-    total = int(total) if total is not None else None
+    save_freq = _whole(cfg, "trainer.save_freq", -1)
+    save_freq = -1 if save_freq is None else save_freq
+    total = _whole(cfg, "trainer.total_training_steps")
     if save_freq <= 0:
         raise GuardError(f"trainer.save_freq={save_freq}: verl saves no checkpoint, so no rollback could ever find "
                          "one. Set trainer.save_freq to a number of steps (e.g. 10; a rollback costs up to that many)")
@@ -137,9 +163,9 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
         raise GuardError(f"trainer.save_freq={save_freq} with trainer.total_training_steps={total}: the only "
                          "checkpoint is the last step, so no rollback could ever use one. Set trainer.save_freq "
                          f"below {total}")
-    keep = config_value(cfg, "trainer.max_actor_ckpt_to_keep")
-    keep = int(keep) if keep is not None else None
-    contents = list(config_value(cfg, "actor_rollout_ref.actor.checkpoint.save_contents", ["model", "optimizer", "extra"]))
+    keep = _whole(cfg, "trainer.max_actor_ckpt_to_keep")
+    contents = config_value(cfg, "actor_rollout_ref.actor.checkpoint.save_contents", ["model", "optimizer", "extra"])
+    contents = [contents] if isinstance(contents, str) else list(contents or [])
     missing = [c for c in ("model", "optimizer", "extra") if c not in contents]
     if missing:
         raise GuardError(f"actor_rollout_ref.actor.checkpoint.save_contents={contents} lacks {missing}: verl cannot "
@@ -166,12 +192,10 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
     checkpoint_dir = Path(str(config_value(cfg, "trainer.default_local_dir", "checkpoints")))
     if not checkpoint_dir.is_absolute():
         checkpoint_dir = cwd / checkpoint_dir
-    seed = config_value(cfg, "actor_rollout_ref.rollout.seed")
-    lr = config_value(cfg, f"{OPTIM}.lr")
     return RunPlan(checkpoint_dir=checkpoint_dir, save_freq=save_freq, total_steps=total, keep=keep,
                    length_surge=ls, scheduler=str(config_value(cfg, f"{OPTIM}.lr_scheduler_type", "constant")),
-                   rollout_seed=int(seed) if seed is not None else None, warnings=warnings, resume_mode=resume_mode,
-                   lr=float(lr) if lr is not None else None,
+                   rollout_seed=_whole(cfg, "actor_rollout_ref.rollout.seed"), warnings=warnings,
+                   resume_mode=resume_mode, lr=_number(cfg, f"{OPTIM}.lr"),
                    async_save=bool(config_value(cfg, "actor_rollout_ref.actor.checkpoint.async_save", False)),
                    save_contents=tuple(contents), batch_size=_batch_size(cfg))
 
@@ -204,8 +228,10 @@ def read_tracker(checkpoint_dir: Path) -> Optional[int]:
 def write_tracker(checkpoint_dir: Path, step: int) -> None:
     """Rewrite verl's tracker atomically (write + rename): a guard killed in between leaves the old one,
     never an empty file (with which verl's ``auto`` resume would silently train from scratch); a
-    failed write (a full or read-only disk) leaves the old one and no temporary file."""
-    write_atomic(checkpoint_dir / TRACKER, str(step))
+    failed write (a full or read-only disk) leaves the old one and no temporary file. A tracker that is
+    a symlink (a shared tracker kept elsewhere) stays one: the file it points to is rewritten."""
+    path = checkpoint_dir / TRACKER
+    write_atomic(Path(os.path.realpath(path)) if path.is_symlink() else path, str(step))
 
 
 def checkpoint_complete(folder: Path, contents=("model", "optimizer", "extra"), tracker: Optional[int] = None,
@@ -315,11 +341,37 @@ def checkpoint_failed_to_load(log: str) -> bool:
     ``load_state_dict``), or a death after the load began (:data:`LOAD_BEGINS`) and before it
     ended (:data:`LOADED`) with no traceback (killed while loading). A launch that died before the
     load began, or after it ended (at the first step), does not blame the checkpoint."""
-    if any(m in log for m in LOADED):
+    return _blames(_load_marks(log))
+
+
+def log_failed_to_load(path: Path, block: int = 1 << 20) -> bool:
+    """:func:`checkpoint_failed_to_load` of verl's output file ``path``, read ``block`` characters at a
+    time (a long run's output is hundreds of MB: never held whole; a line cut between two blocks is
+    read across them). An unreadable file blames nothing."""
+    marks: set = set()
+    tail = ""
+    try:
+        with open(path, errors="replace") as f:
+            while chunk := f.read(block):
+                text = tail + chunk
+                marks |= _load_marks(text)
+                tail = text[-512:]
+    except OSError:
         return False
-    if _LOAD_FAILED.search(log):
-        return True
-    return any(m in log for m in LOAD_BEGINS) and "Traceback" not in log
+    return _blames(marks)
+
+
+def _load_marks(text: str) -> set:
+    return ({"loaded"} if any(m in text for m in LOADED) else set()) \
+        | ({"failed"} if _LOAD_FAILED.search(text) else set()) \
+        | ({"begins"} if any(m in text for m in LOAD_BEGINS) else set()) \
+        | ({"traceback"} if "Traceback" in text else set())
+
+
+def _blames(marks: set) -> bool:
+    if "loaded" in marks:
+        return False
+    return "failed" in marks or ("begins" in marks and "traceback" not in marks)
 
 
 # -- trouble ----------------------------------------------------------------------------------------
@@ -467,17 +519,27 @@ def rollback_overrides(checkpoint_dir: Path, checkpoint_step: int, period: int, 
     verl resumes from the chosen checkpoint (its own ``resume_mode=resume_path``); the LR schedule
     becomes ``length_surge`` (if it was not) with the decay started at the checkpoint's step
     (``decay_from_step``: the first halving on the first update after it, then every ``period``),
-    which wins over the scheduler state the checkpoint restores.
+    which wins over the scheduler state the checkpoint restores. Each is written in Hydra's grammar
+    and checked to read back as meant (:func:`.overrides.override`).
     """
-    out = [
-        "trainer.resume_mode=resume_path",
-        f"trainer.resume_from_path={checkpoint_dir / f'global_step_{checkpoint_step}'}",
-        f"{OPTIM}.lr_scheduler_type=length_surge",
-        f"++{OPTIM}.length_surge.decay_from_step={checkpoint_step if decay_from_step is None else decay_from_step}",
-        f"++{OPTIM}.length_surge.decay_period={period}",
-        f"++{OPTIM}.length_surge.monitor_only=false",
-        f"++{OPTIM}.length_surge.guard_rollbacks={attempt}",
+    from verl_lrstab.guard.overrides import override
+
+    out = resume_overrides(checkpoint_dir, checkpoint_step) + [
+        override(f"{OPTIM}.lr_scheduler_type", "length_surge"),
+        override(f"++{OPTIM}.length_surge.decay_from_step",
+                 checkpoint_step if decay_from_step is None else decay_from_step),
+        override(f"++{OPTIM}.length_surge.decay_period", period),
+        override(f"++{OPTIM}.length_surge.monitor_only", False),
+        override(f"++{OPTIM}.length_surge.guard_rollbacks", attempt),
     ]
     if options.reseed:
-        out.append(f"actor_rollout_ref.rollout.seed={(plan.rollout_seed or 0) + 1000 * attempt}")
+        out.append(override("actor_rollout_ref.rollout.seed", (plan.rollout_seed or 0) + 1000 * attempt))
     return out
+
+
+def resume_overrides(checkpoint_dir: Path, checkpoint_step: int) -> list[str]:
+    """verl's own resume from ``global_step_<checkpoint_step>`` (the path quoted as Hydra needs it)."""
+    from verl_lrstab.guard.overrides import override
+
+    return [override("trainer.resume_mode", "resume_path"),
+            override("trainer.resume_from_path", str(checkpoint_dir / f"global_step_{checkpoint_step}"))]

@@ -14,10 +14,12 @@ Pure: reads the folder, decides, writes nothing (:mod:`.moves` makes the moves).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from verl_lrstab.guard.overrides import user_value
 from verl_lrstab.guard.plan import (TRACKER, GuardError, RunPlan, checkpoint_complete, read_tracker, step_folders,
                                     step_of)
 
@@ -91,8 +93,14 @@ def first_launch(plan: RunPlan, overrides: list[str], from_scratch: bool, cwd: P
                        "the old run's. Use an empty trainer.default_local_dir, resume_mode=auto to continue from "
                        "them, or --from-scratch to move them aside first")
     if mode == "resume_path":
-        path = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.resume_from_path=")), "")
+        path = user_value(overrides, "trainer.resume_from_path") or ""
         step = step_of(Path(path).name) if path else None
+        if path and step is None and re.fullmatch(r"global_step_\d+", Path(path).name):
+            return _refuse(f"trainer.resume_from_path={path}: verl names the checkpoint of step "
+                           f"{int(Path(path).name[12:])} global_step_{int(Path(path).name[12:])} (no leading zero), "
+                           f"so it would save that step's next checkpoints beside this copy, and the guard rolls back "
+                           f"only within verl's own folders. Rename it to global_step_{int(Path(path).name[12:])}, "
+                           "or name that folder")
         if step is None or not _complete(plan, step) or (cwd / path).resolve().parent != ck.resolve():
             return _refuse(f"trainer.resume_from_path={path or '(unset)'}: not a complete global_step_N folder of "
                            f"{ck} (the guard resumes from and rolls back within that folder). Name one of "

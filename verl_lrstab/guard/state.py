@@ -32,7 +32,9 @@ def _pending_ok(v) -> bool:
     return v is None or (isinstance(v, dict) and _int(v.get("checkpoint_step"), 0) and _path(v.get("dest"))
                          and (v.get("segment") is None or _path(v["segment"]))
                          and _int(v.get("skip_batches", 0), 0) and isinstance(v.get("scratch", False), bool)
-                         and (v.get("local") is None or _path(v["local"])))
+                         and (v.get("local") is None or _path(v["local"]))
+                         and (v.get("events") is None or isinstance(v["events"], list)
+                              and all(isinstance(e, dict) and isinstance(e.get("event"), str) for e in v["events"])))
 
 
 # key -> (what it must be, the check)
@@ -54,7 +56,8 @@ KEYS = {
 }
 OPTIONAL = {
     "pending": ("null or the decided moves (a mapping: checkpoint_step an integer >= 0, dest an absolute path, "
-                "segment null or an absolute path, skip_batches an integer >= 0)", _pending_ok),
+                "segment null or an absolute path, skip_batches an integer >= 0, events a list of event "
+                "mappings)", _pending_ok),
     "resumed_at": ("null or an integer step", lambda v: v is None or _int(v)),
 }
 

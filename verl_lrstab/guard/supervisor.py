@@ -29,12 +29,15 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from verl_lrstab.guard.files import GuardIOError, RunDirBusy, io_step, lock_run_dir, pid_alive, write_atomic
+from verl_lrstab.guard.files import GuardIOError, RunDirBusy, io_step, lock_run_dir, pid_alive, say, write_atomic
+from verl_lrstab.guard.lock import LOCK_FILE, CheckpointLock, CheckpointsBusy
+from verl_lrstab.guard.metrics import MetricsFile
 from verl_lrstab.guard.moves import Progress, carry_out, local_dir, skipped_data_state
-from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, checkpoint_failed_to_load,
+from verl_lrstab.guard.overrides import key_of, override, rejected_override, user_value
+from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, log_failed_to_load,
                                     checkpoint_steps, choose_checkpoint, compounded_rule, decay_period_for,
                                     find_trouble, halvings_in_force, no_checkpoint_reason, plan_run, read_tracker,
-                                    rollback_overrides, stale_tracker, step_folders, step_of)
+                                    resume_overrides, rollback_overrides, stale_tracker, step_folders, step_of)
 from verl_lrstab.guard.preflight import first_launch, resume_problem, tracker_problem
 from verl_lrstab.guard.state import STATE, load_state
 from verl_lrstab.guard.watchdog import ENV_RUN, raise_on_signal, start_supervised, stop_group, stop_survivors
@@ -47,6 +50,7 @@ EVENTS = "lrstab_events.jsonl"
 ENTRY = "verl.trainer.main_ppo"
 # 0: done; 2: a bad command, option or state file, or a run folder another guard holds; 128 + N: stopped by signal N
 STATUS_GAVE_UP, STATUS_FAILED, STATUS_IO_ERROR = 3, 4, 5
+READ_TRIES, READ_PAUSE_S = 5, 0.5  # a metrics read that fails (EIO) is tried again this often, this far apart
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # unwound (verl stopped, a `stopped` event); SIGINT: KeyboardInterrupt
 
 
@@ -97,16 +101,24 @@ def compose_config(launcher: list[str], overrides: list[str], cwd: Path):
             path = arg.split("=", 1)[1]
         elif arg.startswith("--config-name="):
             name = arg.split("=", 1)[1]
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     plain = [o for o in overrides if not o.startswith("hydra.")]
-    if path is None:
-        directory = verl_config_dir()
-        if directory is None:  # a verl without its config as files: Hydra's module path (imports verl, ~5 s)
-            with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-                return compose(config_name=name, overrides=plain)
-    else:
-        directory = Path(path) if Path(path).is_absolute() else cwd / path
-    with initialize_config_dir(config_dir=str(directory.resolve()), version_base=None):
-        return compose(config_name=name, overrides=plain)
+    try:
+        if path is None:
+            directory = verl_config_dir()
+            if directory is None:  # a verl without its config as files: Hydra's module path (imports verl, ~5 s)
+                with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+                    return compose(config_name=name, overrides=plain)
+        else:
+            directory = Path(path) if Path(path).is_absolute() else cwd / path
+        with initialize_config_dir(config_dir=str(directory.resolve()), version_base=None):
+            return compose(config_name=name, overrides=plain)
+    except (HydraException, OmegaConfBaseException) as err:  # what verl's own Hydra main would refuse
+        detail = " ".join(str(err).split())
+        raise GuardError(f"the launch line's override {rejected_override(plain, err)!r} is refused by Hydra, as verl "
+                         f"would refuse it: {detail}") from None
 
 
 class EventLog:
@@ -115,8 +127,14 @@ class EventLog:
     def __init__(self, path: Path):
         self.path = path
 
-    def write(self, event: str, step: Optional[int], **fields) -> dict:
+    def write(self, event: str, step: Optional[int], id: Optional[str] = None, **fields) -> Optional[dict]:
+        """Append the event; one with an ``id`` already in the file (a journal being redone) is not
+        written again (returns None)."""
+        if id is not None and self.has(id):
+            return None
         record = {"event": event, "step": step, "time": round(time.time(), 3), **fields}
+        if id is not None:
+            record["id"] = id
         with io_step(f"append the {event!r} event to", self.path), open(self.path, "a+b") as f:
             cut = False
             if f.seek(0, os.SEEK_END) > 0:
@@ -126,6 +144,22 @@ class EventLog:
             f.write((b"\n" if cut else b"") + json.dumps(record).encode() + b"\n")
         return record
 
+    def has(self, id: str) -> bool:
+        """Whether an event with this ``id`` is in the file (a line cut off is not one)."""
+        with io_step("read the events of", self.path):
+            try:
+                lines = self.path.read_text(errors="replace").splitlines()
+            except FileNotFoundError:
+                return False
+        for line in lines:
+            if id in line:
+                try:
+                    if json.loads(line).get("id") == id:
+                        return True
+                except (ValueError, AttributeError):
+                    continue
+        return False
+
 
 def _next_index(folder: Path, pattern: str) -> int:
     """1 + the largest K of the existing ``pattern.format(K)`` names in ``folder`` (1 when none)."""
@@ -133,13 +167,6 @@ def _next_index(folder: Path, pattern: str) -> int:
     ks = [int(n[len(prefix):len(n) - len(suffix)]) for n in (p.name for p in folder.glob(pattern.replace("{}", "*")))
           if n[len(prefix):len(n) - len(suffix)].isdigit()] if folder.is_dir() else []
     return max(ks, default=0) + 1
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
 
 
 def _is_guard(pid) -> bool:
@@ -160,6 +187,20 @@ def busy_message(run_dir: Path, pid) -> str:
     return (f"--run-dir {run_dir}: its lock ({run_dir / 'guard.lock'}) is held: a guard that is gone left its verl "
             "being stopped (its watchdog holds the lock for up to ~15 s), or another process holds the file open "
             f"(fuser {run_dir / 'guard.lock'} names it); try again shortly")
+
+
+def checkpoints_busy_message(checkpoint_dir: Path, holder: dict) -> str:
+    """The refusal of a second guard on verl's checkpoint folder, naming the guard that holds it."""
+    pid, other = holder.get("pid"), holder.get("run_dir")
+    if pid is not None and pid_alive(pid) and _is_guard(pid):
+        where = f", run folder {other}" if other else ""
+        resume = f"lrstab guard --resume {other}" if other else "lrstab guard --resume <its run folder>"
+        return (f"trainer.default_local_dir={checkpoint_dir}: another lrstab guard (pid {pid}{where}) is running on "
+                "these checkpoints; two would train on one checkpoint folder and save over each other's checkpoints. "
+                f"Wait for it, or stop it (kill -TERM {pid}) and continue its run with {resume}")
+    return (f"trainer.default_local_dir={checkpoint_dir}: its lock ({checkpoint_dir / LOCK_FILE}) is held"
+            + (f" (pid {pid})" if pid else "") + ": a guard that is gone left its verl being stopped (its watchdog "
+            "holds the lock for up to ~15 s), or another process holds it; try again shortly")
 
 
 class Guard:
@@ -198,9 +239,10 @@ class Guard:
         self.env = dict(os.environ if env is None else env)
         cfg = compose_config(self.launcher, self.overrides, self.cwd)
         self.plan: RunPlan = plan_run(cfg, self.cwd)
-        loggers = list(cfg.trainer.get("logger", []) or [])
+        loggers = cfg.trainer.get("logger") or []
+        loggers = [loggers] if isinstance(loggers, str) else [str(x) for x in loggers]  # verl's Tracking takes both
         # verl's file logger is what the guard reads: added when the run does not log to a file already
-        self._logger_override = [] if "file" in loggers else [f"trainer.logger=[{','.join([*loggers, 'file'])}]"]
+        self._logger_override = [] if "file" in loggers else [override("trainer.logger", [*loggers, "file"])]
         self.run_dir = Path(run_dir or self.plan.checkpoint_dir.parent / "lrstab_guard").resolve()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -211,6 +253,8 @@ class Guard:
             raise GuardError(f"--run-dir {self.run_dir}: cannot write there ({err.strerror}); pass a writable "
                              "--run-dir") from None
         self._lock: Optional[int] = None
+        self._metrics: Optional[MetricsFile] = None  # the running launch's
+        self._moved_told = False
         self._progress: Optional[Progress] = None  # the set-aside being made (for a truthful error message)
         try:
             self._lock = lock_run_dir(self.run_dir)
@@ -218,6 +262,7 @@ class Guard:
             raise GuardError(busy_message(self.run_dir, busy.pid)) from None
         except GuardIOError as err:
             raise GuardError(f"--run-dir {self.run_dir}: {err}") from None
+        self._checkpoints = CheckpointLock(self.plan.checkpoint_dir, self.run_dir)
         try:
             self.events = EventLog(self.run_dir / EVENTS)
             if self.state is None:
@@ -225,9 +270,19 @@ class Guard:
                 if self.state is not None and self.state["command"] != self.launcher + self.overrides:
                     raise GuardError(f"--run-dir {self.run_dir} holds another command's guarded run; pass another "
                                      f"--run-dir, or continue that one with lrstab guard --resume {self.run_dir}")
-            if self.state is not None and self.state["status"] != "running":
+            if self.state is not None and self.state["status"] == "failed" and not resume:
+                raise GuardError(f"--run-dir {self.run_dir}: its guarded run failed (verl failed and its restarts were "
+                                 "used up); once the cause is fixed, continue it on its LR rule with lrstab guard "
+                                 f"--resume {self.run_dir}, or pass another --run-dir for a new run")
+            if self.state is not None and self.state["status"] not in ("running", "failed"):
                 raise GuardError(f"--run-dir {self.run_dir}: its guarded run already ended ({self.state['status']}); "
                                  "pass another --run-dir for a new run")
+            # one guard per checkpoint folder, whatever its run folder; a continued run whose checkpoint
+            # folder is missing (not mounted yet) takes it in run(), once it is known not to be refused
+            if self.state is None or self.plan.checkpoint_dir.is_dir():
+                self._lock_checkpoints()
+            if self.state is None and not self.options.from_scratch:
+                self._refuse_an_unfinished_run(self._checkpoints.previous)
             # a new run: refused here, before anything is written, when verl would resume from a missing
             # checkpoint or train over existing ones (preflight); a continued run is checked in run()
             self._first = first_launch(self.plan, self.overrides, self.options.from_scratch, self.cwd) \
@@ -236,11 +291,45 @@ class Guard:
             self.release()
             raise
 
+    def _lock_checkpoints(self) -> None:
+        """Take verl's checkpoint folder (:class:`.lock.CheckpointLock`); refuse when another guard holds it."""
+        try:
+            self._checkpoints.acquire()
+        except CheckpointsBusy as busy:
+            raise GuardError(checkpoints_busy_message(self.plan.checkpoint_dir, busy.holder)) from None
+        except OSError as err:
+            raise GuardError(f"trainer.default_local_dir={self.plan.checkpoint_dir}: cannot make or lock it "
+                             f"({err.strerror or err}); pass a folder the guard can write") from None
+
+    def _refuse_an_unfinished_run(self, previous: dict) -> None:
+        """A new run folder on checkpoints that an unfinished guarded run rolled back (its state still
+        ``running`` or ``failed``, with an LR rule) would relaunch verl without that rule: refused,
+        naming the run to continue instead."""
+        other = previous.get("run_dir")
+        if not other or Path(other) == self.run_dir:
+            return
+        try:
+            state = load_state(Path(other))
+        except GuardError:
+            return
+        if not state or state["status"] not in ("running", "failed") or not state["rules"]:
+            return
+        rule = state["rules"][-1]
+        self._checkpoints.restore_previous()
+        raise GuardError(f"trainer.default_local_dir={self.plan.checkpoint_dir}: its checkpoints belong to the guarded "
+                         f"run of {other} ({state['status']}), whose rollback to step {rule['checkpoint_step']} set the "
+                         f"LR rule decay_from_step={rule['decay_from_step']}, decay_period={rule['decay_period']}; a new "
+                         f"run folder would relaunch verl without it. Continue that run: lrstab guard --resume {other} "
+                         "(or pass --from-scratch to move its checkpoints aside and train from step 0)")
+
     def release(self) -> None:
-        """Give up the run folder's lock (also dropped by the kernel when this process dies)."""
+        """Give up the run folder's and the checkpoint folder's locks (also dropped by the kernel when this
+        process dies)."""
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
+        if getattr(self, "_checkpoints", None) is not None:
+            self._checkpoints.release()
 
     # -- the persisted state -----------------------------------------------------------------------
     def _save(self) -> None:
@@ -269,7 +358,7 @@ class Guard:
         except GuardIOError as err:
             return self._io_failed(err)
         except GuardError as err:  # a checkpoint folder that cannot be resumed from as it is: nothing launched
-            print(f"lrstab guard: error: {err}", file=sys.stderr, flush=True)
+            say(f"lrstab guard: error: {err}")
             try:
                 self.events.write("refused", None, error=str(err), status=2)
             except GuardIOError:
@@ -283,8 +372,8 @@ class Guard:
                                       attempt=self.state["attempt"] if self.state else 0)
                 except (GuardIOError, ValueError):
                     pass
-                print(f"lrstab guard: stopped by {signal.Signals(code - 128).name}; verl stopped; continue with "
-                      f"lrstab guard --resume {self.run_dir}", file=sys.stderr, flush=True)
+                say(f"lrstab guard: stopped by {signal.Signals(code - 128).name}; verl stopped; continue with "
+                    f"lrstab guard --resume {self.run_dir}")
             raise
         finally:
             for sig, handler in previous.items():
@@ -299,11 +388,13 @@ class Guard:
                               error=str(err), status=STATUS_IO_ERROR)
         except GuardIOError:
             pass  # the run folder itself is full or read-only: the message below is all there is
+        tracker = read_tracker(self.plan.checkpoint_dir)
         where = (self._progress.describe() if self._progress is not None else
-                 "the guard moved no checkpoint, and verl's tracker is as verl left it")
-        print(f"lrstab guard: error: {err}. verl was stopped; {where}; {self.run_dir / STATE} is the last one written "
-              f"whole{' (it holds the decided moves: --resume finishes them)' if self._progress else ''}. Free space "
-              f"or make the folder writable, then: lrstab guard --resume {self.run_dir}", file=sys.stderr, flush=True)
+                 f"no checkpoint was being moved (verl's tracker names step {tracker}; the checkpoints the guard "
+                 f"set aside before are named by the set_aside events in {self.events.path})")
+        say(f"lrstab guard: error: {err}. verl was stopped; {where}; {self.run_dir / STATE} is the last one written "
+            f"whole{' (it holds the decided moves: --resume finishes them)' if self._progress else ''}. Free space "
+            f"or make the folder writable, then: lrstab guard --resume {self.run_dir}")
         return STATUS_IO_ERROR
 
     def _end(self, status: str, code: int) -> int:
@@ -328,7 +419,7 @@ class Guard:
                    "ones are moved aside (never deleted) before verl could save over them. Fix the tracker to resume "
                    "from the newer one")
         logger.warning("lrstab guard: %s", message)
-        print(f"lrstab guard: warning: {message}", file=sys.stderr, flush=True)
+        say(f"lrstab guard: warning: {message}")
         self.events.write("stale_tracker", stale[0], tracker_step=stale[0], newest_checkpoint=stale[1])
 
     def _run(self) -> int:
@@ -355,16 +446,21 @@ class Guard:
                                      self._complete(exclude=st["bad_checkpoints"]), self.run_dir)
             if problem:  # checked before anything moves: the run stays resumable as it is
                 raise GuardError(problem)
+            if not self._checkpoints.held:
+                self._lock_checkpoints()
             self._finish_pending()  # a set-aside the dead guard had decided but not finished
             problem = tracker_problem(self.plan)
             if problem:
                 raise GuardError(problem)
             self._warn_stale_tracker()
             target = self._newest(st)
+            after_failure = st["status"] == "failed"
+            if after_failure:  # the cause fixed: a fresh --max-restarts, the same LR rule (saved before the launch)
+                st["status"], st["restarts"] = "running", 0
             self.events.write("resumed", target or 0, checkpoint_step=target, attempt=st["attempt"],
-                              rule=st["rules"][-1] if st["rules"] else None)
-            print(f"lrstab guard: continuing the guarded run of {self.run_dir} from the checkpoint at step "
-                  f"{target} (rollbacks so far: {st['attempt']})", file=sys.stderr, flush=True)
+                              rule=st["rules"][-1] if st["rules"] else None, after_failure=after_failure)
+            say(f"lrstab guard: continuing the guarded run of {self.run_dir} from the checkpoint at step "
+                f"{target} (rollbacks so far: {st['attempt']})")
         resume_tries, limit = 0, None  # tries of the current decision; the newest step it may use
         while True:
             # a new number for each launch (a launch that logged nothing still left its .log)
@@ -382,7 +478,7 @@ class Guard:
             if trouble is None:
                 log = seg.with_suffix(".log")
                 loaded = target if target is not None else (self._user_start() or None)  # the first launch's own
-                if loaded is not None and not read_metrics(seg) and checkpoint_failed_to_load(_read_text(log)):
+                if loaded is not None and not read_metrics(seg) and log_failed_to_load(log):
                     # the checkpoint did not load (verl says so, or died while loading): try the next older one
                     target = loaded
                     st["bad_checkpoints"].append(target)
@@ -409,21 +505,20 @@ class Guard:
                     self._set_aside(target, "restart")
                     self.events.write("restart", max(records, default=0), returncode=rc, checkpoint_step=target,
                                       restarts=st["restarts"], log=str(log))
-                    print(f"lrstab guard: verl exited with status {rc} (log: {log}); restart {st['restarts']} "
-                          f"(--max-restarts {self.options.max_restarts}) from the checkpoint at step {target}",
-                          file=sys.stderr, flush=True)
+                    say(f"lrstab guard: verl exited with status {rc} (log: {log}); restart {st['restarts']} "
+                        f"(--max-restarts {self.options.max_restarts}) from the checkpoint at step {target}")
                     continue
                 self._write_final(records)
                 self.events.write("failed", max(records, default=0), returncode=rc, log=str(log))
-                print(f"lrstab guard: verl exited with status {rc} (log: {log})", file=sys.stderr)
+                say(f"lrstab guard: verl exited with status {rc} (log: {log})")
                 return self._end("failed", STATUS_FAILED)
             self.events.write(trouble.reason, trouble.step, onset_step=trouble.onset, surge_step=trouble.surge_step)
             if st["attempt"] >= self.options.max_rollbacks:
                 self._write_final(records)
                 self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st["attempt"])
-                print(f"lrstab guard: {trouble.reason} at step {trouble.step} after {st['attempt']} rollback(s) "
-                      f"(--max-rollbacks {self.options.max_rollbacks}): stopping; the run and its checkpoints are in "
-                      f"{self.plan.checkpoint_dir}", file=sys.stderr)
+                say(f"lrstab guard: {trouble.reason} at step {trouble.step} after {st['attempt']} rollback(s) "
+                    f"(--max-rollbacks {self.options.max_rollbacks}): stopping; the run and its checkpoints are in "
+                    f"{self.plan.checkpoint_dir}")
                 return self._end("gave_up", STATUS_GAVE_UP)
             limit = trouble.onset - self.options.margin
             ckpt = choose_checkpoint(self._complete(exclude=st["bad_checkpoints"]), trouble.onset, self.options.margin)
@@ -431,8 +526,8 @@ class Guard:
                 why = no_checkpoint_reason(self._complete(), st["bad_checkpoints"], trouble.onset, self.options.margin)
                 self._write_final(records)
                 self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st["attempt"], why=why)
-                print(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}), but {why} in "
-                      f"{self.plan.checkpoint_dir}: stopping", file=sys.stderr)
+                say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}), but {why} in "
+                    f"{self.plan.checkpoint_dir}: stopping")
                 return self._end("gave_up", STATUS_GAVE_UP)
             if self.options.skip_batches:  # checked before anything moves (raises naming data.pt and the key)
                 skipped_data_state(self.plan.checkpoint_dir / f"global_step_{ckpt}", self.options.skip_batches,
@@ -446,16 +541,19 @@ class Guard:
             # that dies or fails in between finishes them on --resume (_finish_pending)
             st["segments"][-1][0] = str(dest / "metrics.jsonl")
             st["after"], target = ckpt, ckpt
-            st["pending"] = self._pending(ckpt, dest, segment=str(seg), skip=self.options.skip_batches)
+            # the rollback event is part of the decision: written when the journal is carried out (once)
+            rollback = {"event": "rollback", "step": trouble.step, "id": f"rollback-{dest}", "checkpoint_step": ckpt,
+                        "onset_step": trouble.onset, "attempt": st["attempt"], "reason": trouble.reason,
+                        "decay_period": rule["decay_period"], "decay_from_step": rule["decay_from_step"],
+                        "halvings_at_checkpoint": rule["halvings"], "skip_batches": rule["skip_batches"],
+                        "abandoned_metrics": str(dest / "metrics.jsonl")}
+            st["pending"] = self._pending(ckpt, dest, segment=str(seg), skip=self.options.skip_batches,
+                                          events=[rollback])
             self._save()
-            self.events.write("rollback", trouble.step, checkpoint_step=ckpt, onset_step=trouble.onset,
-                              attempt=st["attempt"], reason=trouble.reason, decay_period=rule["decay_period"],
-                              decay_from_step=rule["decay_from_step"], halvings_at_checkpoint=rule["halvings"],
-                              skip_batches=rule["skip_batches"], abandoned_metrics=str(dest / "metrics.jsonl"))
-            print(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}): rollback "
-                  f"{st['attempt']} to the checkpoint at step {ckpt}, LR x{self.plan.length_surge.gamma:g} of the LR "
-                  f"in force there ({rule['halvings']} decay(s)), then every {rule['decay_period']} steps",
-                  flush=True)
+            say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}): rollback "
+                f"{st['attempt']} to the checkpoint at step {ckpt}, LR x{self.plan.length_surge.gamma:g} of the LR "
+                f"in force there ({rule['halvings']} decay(s)), then every {rule['decay_period']} steps",
+                file=sys.stdout)
             self._finish_pending()
 
     # -- what each launch resumes from -------------------------------------------------------------
@@ -464,8 +562,7 @@ class Guard:
         if self.plan.resume_mode == "auto":
             return read_tracker(self.plan.checkpoint_dir) or 0
         if self.plan.resume_mode == "resume_path":
-            path = next((o.split("=", 1)[1] for o in self.overrides if o.startswith("trainer.resume_from_path=")), "")
-            return step_of(Path(path).name) or 0
+            return step_of(Path(user_value(self.overrides, "trainer.resume_from_path") or "").name) or 0
         return 0
 
     def _newest(self, st: dict) -> Optional[int]:
@@ -482,11 +579,13 @@ class Guard:
         self._set_aside(step, "incomplete", skip)
         return step
 
-    def _pending(self, step: Optional[int], dest: Path, segment: Optional[str] = None, skip: int = 0) -> dict:
-        """The journal entry of a set-aside (:mod:`.moves`): keep ``step`` (None: nothing, from scratch)."""
+    def _pending(self, step: Optional[int], dest: Path, segment: Optional[str] = None, skip: int = 0,
+                 events: Sequence[dict] = ()) -> dict:
+        """The journal entry of a set-aside (:mod:`.moves`): keep ``step`` (None: nothing, from scratch);
+        ``events``: written (each once) before the moves are made."""
         return {"checkpoint_step": step or 0, "scratch": step is None, "dest": str(dest),
                 "local": str(local_dir(self.plan.checkpoint_dir, self.run_dir, dest)), "segment": segment,
-                "skip_batches": skip}
+                "skip_batches": skip, "events": list(events)}
 
     def _set_aside(self, step: Optional[int], kind: str, skip: int = 0) -> None:
         """Move the ``global_step_N`` folders after ``step`` (all of them when None) aside to a fresh
@@ -503,13 +602,20 @@ class Guard:
         pending = self.state.get("pending")
         if not pending:
             return
+        for event in pending.get("events") or []:  # the decision's own events (a rollback's), each once
+            self.events.write(event["event"], event.get("step"),
+                              **{k: v for k, v in event.items() if k not in ("event", "step")})
         self._progress = Progress(self.plan.checkpoint_dir, pending["checkpoint_step"],
                                   scratch=bool(pending.get("scratch")))
         carry_out(self.plan.checkpoint_dir, pending, self._progress, self.plan.save_contents,
                   local=Path(pending["local"]) if pending.get("local") else None, batch_size=self.plan.batch_size)
-        if self._progress.moved:
+        # what this set-aside moved, those a guard that died midway moved included: its destination holds them
+        dest = Path(pending["dest"])
+        moved = {p.name: str(p.resolve()) for p in sorted(dest.iterdir()) if step_of(p.name) is not None} \
+            if dest.is_dir() else {}
+        if moved:
             self.events.write("set_aside", None if pending.get("scratch") else pending["checkpoint_step"],
-                              dest=pending["dest"], moved=dict(self._progress.moved))
+                              id=f"set_aside-{dest}", dest=pending["dest"], moved=moved)
         self.state["pending"] = None
         self._save()
         self._progress = None
@@ -543,13 +649,12 @@ class Guard:
         st = self.state
         if target is None and not st["segments"][:-1]:  # the first launch
             scratch = self._first is not None and self._first.scratch and self.plan.resume_mode != "disable"
-            return ["trainer.resume_mode=disable"] if scratch else []
+            return [override("trainer.resume_mode", "disable")] if scratch else []
         if target is None:
-            return ["trainer.resume_mode=disable"]
+            return [override("trainer.resume_mode", "disable")]
         rules = [r for r in st["rules"] if r["checkpoint_step"] <= target]
         if not rules:
-            return ["trainer.resume_mode=resume_path",
-                    f"trainer.resume_from_path={self.plan.checkpoint_dir / f'global_step_{target}'}"]
+            return resume_overrides(self.plan.checkpoint_dir, target)
         r = rules[-1]
         return rollback_overrides(self.plan.checkpoint_dir, target, r["decay_period"], r["attempt"], self.options,
                                   self.plan, decay_from_step=r["decay_from_step"])
@@ -565,7 +670,7 @@ class Guard:
         env = {**self.env, "VERL_FILE_LOGGER_PATH": str(seg), ENV_RUN: str(self.run_dir)}
         overrides = self.overrides
         if extra:
-            overrides = [o for o in overrides if not o.startswith(("trainer.resume_mode=", "trainer.resume_from_path="))]
+            overrides = [o for o in overrides if key_of(o) not in ("trainer.resume_mode", "trainer.resume_from_path")]
         cmd = self.launcher + overrides + self._logger_override + extra
         log = seg.with_suffix(".log")
         with io_step("write verl's log", log):
@@ -577,9 +682,17 @@ class Guard:
                 out.close()
                 raise
         with out:
-            # the watchdog holds the run folder's lock too: it stays locked until verl is stopped
-            proc, lifeline = start_supervised(cmd, cwd=self.cwd, env=env, stdout=out,
-                                              keep_fds=(self._lock,) if self._lock is not None else ())
+            with io_step("make verl's metrics file", seg):
+                self._metrics, self._moved_told = MetricsFile(seg), False
+            # the watchdog holds the run folder's and the checkpoint folder's locks too: they stay locked
+            # until verl is stopped
+            keep = ((self._lock,) if self._lock is not None else ()) + self._checkpoints.fds()
+            try:
+                proc, lifeline = start_supervised(cmd, cwd=self.cwd, env=env, stdout=out, keep_fds=keep)
+            except BaseException:
+                self._metrics.close()
+                self._metrics = None
+                raise
             try:
                 seen = None
                 while True:
@@ -588,6 +701,7 @@ class Guard:
                         finished = True
                     except subprocess.TimeoutExpired:
                         finished = False
+                    self._hold_checkpoints()
                     records = self._trajectory()
                     trouble = None
                     if (len(records), max(records, default=0)) != seen:  # judge each new step once
@@ -603,6 +717,22 @@ class Guard:
                 raise
             finally:
                 os.close(lifeline)
+                metrics, self._metrics = self._metrics, None
+                try:
+                    with io_step("put verl's metrics back in", seg):
+                        metrics.put_back()
+                finally:
+                    metrics.close()
+
+    def _hold_checkpoints(self) -> None:
+        """The checkpoint folder's lock file is still the one held (a deleted one is taken anew)."""
+        try:
+            self._checkpoints.check()
+        except CheckpointsBusy as busy:
+            raise GuardError(checkpoints_busy_message(self.plan.checkpoint_dir, busy.holder)
+                             + "; this guard stopped its verl") from None
+        except OSError as err:
+            raise GuardIOError("take the checkpoint folder's lock file anew", self._checkpoints.path, err) from None
 
     def _options_now(self) -> GuardOptions:
         """A surge is answered once: the rollback starts the decay (the remedy for a surge); after it,
@@ -618,8 +748,31 @@ class Guard:
         merged: dict[int, dict] = {}
         for path, first in self.state["segments"]:
             merged = {s: d for s, d in merged.items() if s < first}
-            merged.update({s: d for s, d in read_metrics(path).items() if s >= first})
+            merged.update({s: d for s, d in self._read_segment(Path(path)).items() if s >= first})
         return merged
+
+    def _read_segment(self, path: Path) -> dict[int, dict]:
+        """A segment's metrics; the running launch's through :class:`.metrics.MetricsFile` (followed when
+        renamed or replaced: a ``metrics_moved`` event). A read error (a transient EIO) is retried
+        :data:`READ_TRIES` times, then a ``read_retried`` event; one that lasts ends the guard (status 5)."""
+        running = self._metrics is not None and path == self._metrics.path
+        error = None
+        for tries in range(1, READ_TRIES + 1):
+            try:
+                records = self._metrics.read() if running else read_metrics(path)
+            except OSError as err:
+                error = err
+                time.sleep(READ_PAUSE_S)
+                continue
+            if error is not None:
+                self.events.write("read_retried", None, path=str(path), error=str(error), tries=tries)
+            if running and self._metrics.moved and not self._moved_told:
+                self._moved_told = True
+                self.events.write("metrics_moved", max(records, default=None), path=str(path), followed=True)
+                say(f"lrstab guard: warning: verl's metrics file {path} was renamed or replaced while verl writes it; "
+                    "the guard follows the file verl writes, and puts its lines back under that name after the launch")
+            return records
+        raise GuardIOError("read verl's metrics", path, error)
 
     def _write_final(self, records: dict[int, dict]) -> Path:
         path = self.run_dir / "metrics.jsonl"
