@@ -8,18 +8,19 @@ z-score per step; a one-sided CUSUM ``S = max(0, S + z - drift)`` accumulates it
 armed when ``S >= threshold / 2`` and the newest step is at least ``min_rise`` x the baseline,
 unless the run had that level before (a rebound).
 
-**Ways to fire** (:data:`WAYS`), each on an armed alarm: the score falls ``score_z`` noise units,
-the level (median of the last 5 steps) at ``min_rise`` x the baseline (``score``); two witnesses have
-risen, the newest step at ``min_rise`` x and the score not rising (``witnesses``: verl's co-signals,
-the mismatch KL and the clip share counting as two); no witness is logged at all, ``S >= threshold``
-and the level at ``min_rise`` x (``length``); the level reaches ``runaway_rise`` x the alarm's
-baseline (``runaway``); and, on a return to an earlier high instead of an alarm, the score
-collapsing or two of verl's co-signals rising with it (``return``).
+**Ways to fire** (:data:`WAYS`), each on an armed alarm: the score's 5-step level falls ``score_z``
+noise units, the length's level at ``min_rise`` x the baseline (``score``); two witnesses have risen,
+the newest step at ``min_rise`` x (``witnesses``: verl's co-signals on their
+newest row, the mismatch KL and the clip share counting as two); no witness is logged at all,
+``S >= threshold`` and the level at ``min_rise`` x (``length``); the level reaches ``runaway_rise`` x the
+alarm's baseline (``runaway``); and, on a return to an earlier high instead of an alarm, two of verl's
+co-signals rising with it (``return``).
 
-**Holds** (:data:`HOLDS`): the first ``skip_first_steps`` steps (``warmup``); a level the run had
-before (``rebound``); a rising score (``learning``); an alarm whose CUSUM fell back to 0 or that
-waited ``confirm_steps`` (``expiry``). A one-step spike (``spike_rise`` x the steps before and
-after it) is left out of the level.
+**Holds** (:data:`HOLDS`, and the spike exclusion): no baseline yet, its rows after ``skip_first_steps``
+covering less than half the span (``warmup``); a level the run had before (``rebound``); an alarm whose
+CUSUM fell back to 0 or that waited ``confirm_steps`` (``expiry``); a
+one-step spike (``spike_rise`` x the steps before and after it) is left out of the level, and its score
+out of the score's.
 
 Windows count steps, not rows, so a log written every 5-10 steps uses the same options; a window
 holding fewer than 8 rows is widened back to 8. NaN, inf, missing and non-positive lengths are
@@ -33,7 +34,7 @@ import logging
 import math
 from dataclasses import asdict, dataclass, field
 from statistics import median
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union, cast
 
 from verl_lrstab._numbers import finite_float
 from verl_lrstab.config import LengthSurgeConfig, options_for
@@ -44,7 +45,7 @@ logger = logging.getLogger("verl_lrstab")
 _NAN = float("nan")
 #: The ways to fire and the holds, in the order docs/detector.md tables them.
 WAYS = ("score", "witnesses", "length", "runaway", "return")
-HOLDS = ("warmup", "rebound", "learning", "expiry")
+HOLDS = ("warmup", "rebound", "expiry")
 # the level's least rows: a return to an earlier high takes 2-4 steps, and a log written every 10 steps has
 # 1 row in 5 steps. k3, measured on the length's own batches, is read over the same rows; the clip share over the
 # last 5 steps' rows, at least the newest (its least rise is a quarter of a batch: no long batch's composition).
@@ -62,10 +63,10 @@ MAD_SD = 1.4826  # a normal's sd / its median absolute deviation
 # sqrt(pi / 2): a normal's sd / its mean absolute deviation, and about the sd of a median of a few values /
 # the sd of their mean
 MEDIAN_SD = math.sqrt(math.pi / 2)
-# A witness has risen when its median over the last LEVEL_STEPS steps is ``score_z`` noise units above its
-# median over the alarm's baseline window (a steadily growing KL loss or a noisy entropy is no rise), and
-# at least this multiple of it (a figure logged with few digits has no noise to measure). The mismatch KL
-# (the method's own signal, METHOD.md) and the clip share count as two witnesses, at kl_rise / clip_rise.
+# A witness has risen when its value now is ``score_z`` noise units above its median over the baseline window
+# (a steadily growing KL loss or a noisy entropy is no rise), and at least this multiple of it (a figure logged
+# with few digits has no noise to measure). The mismatch KL (the method's own signal: docs/detector.md) and the
+# clip share count as two witnesses, at kl_rise / clip_rise.
 WITNESS_RISE = 1.1
 # k3 against its level before the baseline window must have grown kl_rise ** OLDER_KL_POWER (2.25x): a flat k3 reads
 # 1.5x a level 25-50 steps older now and then in a log written every few steps
@@ -96,9 +97,14 @@ def _recent(rows, step: int, least: int) -> list[float]:
     return [v for _, v in _recent_rows(rows, step, least)]
 
 
+def _row(step: int, v: float) -> Row:
+    """A [step, value] row: a list, as the state is saved (JSON has no tuples)."""
+    return cast(Row, [step, v])
+
+
 def _add(rows: list, step: int, v: Optional[float]) -> None:
     if v is not None and not (rows and rows[-1][1] == v):
-        rows.append([step, v])
+        rows.append(_row(step, v))
 
 
 def _logs(values: list[float]) -> list[float]:
@@ -248,9 +254,9 @@ class CusumDetector:
                            "the surge detector skips it", step, value)
             self._prune(step)
             return False
-        rows.log.append([step, math.log(number)])
+        rows.log.append(_row(step, math.log(number)))
         if len(rows.log) >= LEVEL_STEPS:  # a level is a median of 5 rows: one long first row is none
-            rows.high.append([step, median(v for _, v in rows.log[-LEVEL_STEPS:])])
+            rows.high.append(_row(step, median(v for _, v in rows.log[-LEVEL_STEPS:])))
         self._prune(step)
         self._measure(step)
         if self._hold_warmup(step):
@@ -318,8 +324,8 @@ class CusumDetector:
         return z is not None and z <= -self.score_z and self.ratio >= self.min_rise
 
     def _way_witnesses(self, step: int, a: Alarm) -> bool:
-        """Two witnesses have risen with the length, the score not rising."""
-        return self._half_evidence() and self._witnesses(step) >= WITNESSES and not self._hold_learning(step, a)
+        """Two witnesses have risen with the length."""
+        return self._half_evidence() and self._witnesses(step) >= WITNESSES
 
     def _way_length(self, step: int, a: Alarm) -> bool:
         """No witness is logged at all: the length alarm is the surge."""
@@ -334,8 +340,8 @@ class CusumDetector:
         return level >= self.runaway_rise * a.baseline
 
     def _way_return(self, step: int, a: Alarm) -> bool:
-        """A return to an earlier high whose witnesses (verl's co-signals) rise with it, the score not rising."""
-        return self._witnesses(step, fresh=True) >= WITNESSES and not self._hold_learning(step, a)
+        """A return to an earlier high whose witnesses (verl's co-signals) rise with it."""
+        return self._witnesses(step, fresh=True) >= WITNESSES
 
     # -- holds -----------------------------------------------------------------------------------
     def _hold_warmup(self, step: int) -> bool:
@@ -350,12 +356,6 @@ class CusumDetector:
         old = self._earlier_high(step)
         return (old is not None and old >= b + math.log(self.min_rise)
                 and math.log(self.level) < old + math.log(self.rebound_margin))
-
-    def _hold_learning(self, step: int, a: Alarm) -> bool:
-        """The score's level is ``score_z`` noise units above its pre-alarm level (its last 3 observations
-        suffice: a rise is no long batch's composition)."""
-        zs = [z for z in (self._score_z(step), self._score_z(step, FEW_ROWS)) if z is not None]
-        return bool(zs) and max(zs) >= self.score_z
 
     def _hold_expiry(self, step: int, a: Alarm) -> bool:
         """The CUSUM fell back to 0 (a return: its last 2 steps below ``min_rise`` x its baseline), or the alarm
@@ -400,18 +400,17 @@ class CusumDetector:
         old = self._earlier_high(step)
         return old is not None and old >= b + math.log(self.min_rise)
 
-    def _score_z(self, step: int, least: Optional[int] = None) -> Optional[float]:
-        """The score's level now (at least ``least`` observations) against its references, in noise units: the
-        lower of the two (None: no score to compare). The score of a one-step length spike is left out, as the
+    def _score_z(self, step: int) -> Optional[float]:
+        """The score's level now (its last LEVEL_STEPS steps, at least LEVEL_STEPS observations) against its
+        references, in noise units: the lower of the two (None: no score to compare). The score of a one-step length spike is left out, as the
         spike is (its dip is that batch's composition: long answers are more often wrong or cut off)."""
-        least = LEVEL_STEPS if least is None else least
         spikes = self._spikes()
         rows = [r for r in self.rows.score if r[0] not in spikes]
         refs = self._score_refs(step, rows)
         # at least LEVEL_STEPS observations for a fall: in a log written every few steps two long batches in a
         # row score lower by their composition; a median of 5 ignores them
-        now = _recent(rows, step, least) if refs else []
-        if not now:
+        now = _recent(rows, step, LEVEL_STEPS)
+        if refs is None or not now:
             return None
         ref, n_ref, old, n_old, noise = refs
         z = (median(now) - ref) / (MEDIAN_SD * noise * math.sqrt(1 / len(now) + 1 / n_ref))
@@ -421,9 +420,10 @@ class CusumDetector:
 
     def _witnesses(self, step: int, fresh: bool = False) -> int:
         """Risen witnesses, against their medians over the current baseline window (the window the length
-        rose over), ended before the observations compared with it: each of verl's co-signals (one each), the
-        mismatch KL and the clip share (two each, measured on the length's batches: k3's "now" is the level's rows,
-        the clip share's the last LEVEL_STEPS steps' rows, at least the newest). The mismatch KL has also risen
+        rose over; steps after ``skip_first_steps`` only), ended before the observations compared with it: each
+        of verl's co-signals (one each, its newest row: entropy, grad norm and KL loss jump on a fast surge's
+        first update), the mismatch KL and the clip share (two each, measured on the length's batches: k3's "now"
+        is the level's rows, the clip share's the last LEVEL_STEPS steps' rows, at least the newest). The mismatch KL has also risen
         where, the level at ``min_rise``, it grew over the baseline window as much as the length did, and
         ``kl_rise`` (1.5) x.
         ``fresh`` (a return): verl's co-signals only, from their observations of the last FEW_ROWS steps (they
@@ -440,19 +440,20 @@ class CusumDetector:
         if fresh:
             return up  # a return's k3 rises with its length (a recovery's did, in a real-model pilot): verl's only
         if self.rows.kl:
-            now = _logs(_recent(self.rows.kl, step, FAST_ROWS))
-            risen = self._risen(now, self.rows.kl, math.log(self.kl_rise), hi, log=True)
+            kl_now = _logs(_recent(self.rows.kl, step, FAST_ROWS))
+            risen = self._risen(kl_now, self.rows.kl, math.log(self.kl_rise), hi, log=True)
             if not risen and self._cusum >= self.threshold and self.ratio >= 1 + (self.min_rise - 1) * HALF:
                 # k3 doubles over the 20-30 steps before a slow surge's alarm: against its level before the
                 # baseline window too (the OLD_STEPS steps that end there), once the CUSUM is at its threshold
                 # and the level half-way to min_rise (a KL drifting for 100+ steps is no surge on one long
                 # batch that lifts the CUSUM to half its threshold), by kl_rise ** OLDER_KL_POWER
-                risen = self._risen(now, self.rows.kl, OLDER_KL_POWER * math.log(self.kl_rise), hi - self.span, log=True)
-            if not risen and self.ratio >= self.min_rise and now:
-                # k3 grew over the baseline window at least as much as the length did (METHOD.md: the
+                risen = self._risen(kl_now, self.rows.kl, OLDER_KL_POWER * math.log(self.kl_rise), hi - self.span,
+                                    log=True)
+            if not risen and self.ratio >= self.min_rise and kl_now:
+                # k3 grew over the baseline window at least as much as the length did (the method: the
                 # mismatch grows with the length): the surge's own sign, whatever k3's noise
                 ref = _logs(_window(self.rows.kl, hi - self.span, hi))
-                risen = bool(ref) and median(now) - median(ref) >= max(math.log(self.kl_rise), math.log(self.ratio))
+                risen = bool(ref) and median(kl_now) - median(ref) >= max(math.log(self.kl_rise), math.log(self.ratio))
             up += WITNESSES * risen
         if self.rows.clip:
             recent = _recent_rows(self.rows.clip, step, 1)

@@ -70,11 +70,11 @@ VARIANTS: dict = {
     "witnesses": ("way to fire", "two witnesses risen", _method("_way_witnesses")),
     "length": ("way to fire", "no witness logged: the length alone", _method("_way_length")),
     "runaway": ("way to fire", "the level at runaway_rise", _method("_way_runaway")),
-    "return": ("way to fire", "a return to an earlier high collapses", _method("_way_return")),
+    "return": ("way to fire", "verl's co-signals rise with a return to an earlier high", _method("_way_return")),
     # the holds
-    "warmup": ("hold", "the first skip_first_steps steps", _method("_hold_warmup")),
+    # warmup (no baseline yet) is not removed alone: without a baseline there is nothing to measure; its number,
+    # skip_first_steps, is set below
     "rebound": ("hold", "a level the run had before", _method("_hold_rebound")),
-    "learning": ("hold", "a rising score", _method("_hold_learning")),
     "expiry": ("hold", "an alarm whose level fell back or that waited confirm_steps", _method("_hold_expiry")),
 }
 for name, value, what in (

@@ -227,11 +227,60 @@ def _source_line(outcomes: list[Outcome]) -> str:
     return "; ".join(parts) or "reported only"
 
 
-def leave_one_source_out(runs: Path = RUNS) -> list[dict]:
+def number_grid(runs: Path = RUNS) -> dict:
+    """``{number: {value: outcomes}}`` over CANDIDATES (each number alone moved from its default)."""
+    return {number: {v: _with(number, v, runs) for v in values}
+            for number, values in tqdm(CANDIDATES.items(), desc="numbers", unit="number")}
+
+
+def _short(outcomes: list[Outcome]) -> str:
+    s = summarize(outcomes)
+    lag = "-" if s.median_lag is None else f"{s.median_lag:+g}"
+    return f"{s.in_window}/{s.judged}, {s.healthy_fired}/{s.healthy}, {lag}"
+
+
+def numbers_table(grid: dict, markdown: bool = False) -> str:
+    """Per number: each candidate value's headline (judged in window, healthy firing, median lag)."""
+    head = ("number", "default", "each value: judged in window, healthy firing, median lag")
+    cells = [(n, str(_default(n)), "; ".join(f"{v}: {_short(outs)}" for v, outs in per.items()))
+             for n, per in grid.items()]
+    if markdown:
+        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                         + ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(r)) + " |" for r in cells])
+    return "\n".join(" | ".join(c) for c in (head, *cells))
+
+
+#: The ways to fire and the holds, each removed alone (a way that never fires, a hold that never holds).
+def _removed(piece: str):
+    if piece == "hold spike":
+        return "_spikes", lambda self: set()
+    kind, name = piece.split()
+    return f"_{kind}_{name}", (lambda self, *a, **k: False)
+
+
+def ablate(runs: Path = RUNS) -> list[tuple[str, str]]:
+    """``(piece, what changes on the real runs)`` for each way and hold of the rule removed alone."""
+    base = {o.name: o for o in bench(None, runs)}
+    pieces = [f"way {w}" for w in cusum.WAYS] + [f"hold {h}" for h in cusum.HOLDS if h != "warmup"] + ["hold spike"]
+    out = []
+    for piece in pieces:
+        attr, fn = _removed(piece)
+        old = getattr(cusum.CusumDetector, attr)
+        setattr(cusum.CusumDetector, attr, fn)
+        try:
+            outcomes = bench(None, runs)
+        finally:
+            setattr(cusum.CusumDetector, attr, old)
+        moved = [f"{o.name} {_cell(base[o.name].step)} → {_cell(o.step)}" for o in outcomes
+                 if o.step != base[o.name].step and o.expect != "any"]
+        out.append((piece, f"{_short(outcomes)}" + (f" ({'; '.join(moved)})" if moved else "")))
+    return out
+
+
+def leave_one_source_out(runs: Path = RUNS, grid: Optional[dict] = None) -> list[dict]:
     """One row per source: the numbers whose choice on the other sources differs from their choice on all, and
     the left-out source's outcomes with the defaults and with the numbers chosen without it."""
-    grid = {number: {v: _with(number, v, runs) for v in values}
-            for number, values in tqdm(CANDIDATES.items(), desc="numbers", unit="number")}
+    grid = grid or number_grid(runs)
     base = bench(None, runs)
     everyone = {n: _choose(per, _default(n), lambda o: True) for n, per in grid.items()}
     rows = []
@@ -274,10 +323,19 @@ def main(argv=None) -> int:
                    help="a length_surge option for the rule (YAML value), e.g. cusum_span=30; repeatable")
     p.add_argument("--runs", type=Path, default=RUNS, help="the folder of runs and EXPECT.txt (default: %(default)s)")
     p.add_argument("--leave-one-source-out", action="store_true",
-                   help="choose each number on all sources but one and decide the left-out source with it")
+                   help="choose each number on all sources but one and decide the left-out source with it; "
+                        "also print each number's candidate values with their headlines")
+    p.add_argument("--ablate", action="store_true", help="remove each way and hold alone: what changes")
     args = p.parse_args(argv)
+    if args.ablate:
+        for piece, change in ablate(args.runs):
+            print(f"| {piece} | {change} |" if args.markdown else f"{piece}: {change}")
+        return 0
     if args.leave_one_source_out:
-        print(loso_table(leave_one_source_out(args.runs), args.markdown))
+        grid = number_grid(args.runs)
+        print(loso_table(leave_one_source_out(args.runs, grid), args.markdown))
+        print()
+        print(numbers_table(grid, args.markdown))
         return 0
     options = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.option)}
     outcomes = bench(LengthSurgeConfig(**options), args.runs)
