@@ -5,6 +5,7 @@ real surge, fires on a healthy run or falls behind the rolling z-score fails her
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -80,3 +81,18 @@ def test_replay_reads_a_real_run_as_the_bench_does(tmp_path, capsys):
     capsys.readouterr()
     assert lrstab(["replay", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["surge_step"] == bench_step
+
+
+def test_the_manual_shows_the_real_run_table_the_bench_prints_first(outcomes):
+    doc = (ROOT / "docs" / "detector.md").read_text(encoding="utf-8")
+    table = bench_real.table(outcomes, markdown=True)
+    assert table in doc
+    assert doc.index(table) < doc.index("## The rule on one page")  # the first table of the manual
+    assert bench_real.summarize(outcomes).line() in doc
+
+
+def test_the_manual_is_no_history():
+    doc = (ROOT / "docs" / "detector.md").read_text(encoding="utf-8")
+    assert "Tried:" not in doc
+    assert re.findall(r"\b[0-9a-f]{7,40}\b", doc) == []  # no commit id
+    assert "../shared" not in doc  # every file it cites is in the repository

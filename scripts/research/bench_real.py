@@ -240,14 +240,19 @@ def _short(outcomes: list[Outcome]) -> str:
 
 
 def numbers_table(grid: dict, markdown: bool = False) -> str:
-    """Per number: each candidate value's headline (judged in window, healthy firing, median lag)."""
+    """Per number whose candidates differ: each candidate value's headline (judged in window, healthy firing,
+    median lag); then one line naming the numbers every candidate of which gives the same headline."""
     head = ("number", "default", "each value: judged in window, healthy firing, median lag")
+    moving = {n: per for n, per in grid.items() if len({_short(outs) for outs in per.values()}) > 1}
     cells = [(n, str(_default(n)), "; ".join(f"{v}: {_short(outs)}" for v, outs in per.items()))
-             for n, per in grid.items()]
+             for n, per in moving.items()]
+    flat = [f"{n} ({', '.join(str(v) for v in grid[n])})" for n in grid if n not in moving]
+    tail = "The same headline at every candidate value: " + ", ".join(flat) + "." if flat else ""
     if markdown:
         return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                         + ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(r)) + " |" for r in cells])
-    return "\n".join(" | ".join(c) for c in (head, *cells))
+                         + ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(r)) + " |" for r in cells]
+                         + ["", tail])
+    return "\n".join([" | ".join(c) for c in (head, *cells)] + [tail])
 
 
 #: The ways to fire and the holds, each removed alone (a way that never fires, a hold that never holds).
