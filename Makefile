@@ -9,9 +9,10 @@ TORCH   ?= torch==2.13.0
 # verl 0.9.1's main_ppo imports these at run time without declaring them (README.md, "Install");
 # the verl[...] extras would replace the CPU torch, so they are not used.
 VERL    ?= verl==0.9.1 cachetools fastapi uvicorn TransferQueue==0.1.11
-# What the tests and the demos use beside the product (not in the package's metadata). packaging stays
-# below 26 as verl's tensordict (pyvers) asks: the newest twine would otherwise lift it.
-TEST_DEPS ?= 'pytest>=7' pytest-timeout pytest-xdist matplotlib tensorboard psutil build twine 'packaging<26'
+# What the tests and the demos use beside the product (not in the package's metadata), mypy included
+# (`make test`'s type check). packaging stays below 26 as verl's tensordict (pyvers) asks: the newest twine
+# would otherwise lift it.
+TEST_DEPS ?= 'pytest>=7' pytest-timeout pytest-xdist matplotlib tensorboard psutil build twine 'packaging<26' mypy
 # verl's Megatron engine (docs/megatron.md): megatron-core 0.16.1 is the newest for Python 3.11
 # (it changes no torch/transformers/numpy pin); the 0.19 line needs Python 3.12 (test-megatron312).
 # mbridge (+ einops, undeclared): verl's vanilla bridge, for the worker test (megatron-bridge 0.5.2,
@@ -102,11 +103,13 @@ demo-guard: install
 demo-admit: install-vllm
 	$(PY) scripts/demo_admit.py
 
-## What CI runs: unit tests + the smallest end-to-end runs of verl's trainer (vLLM's included), and the real
-## model's asset build (its packages only: the tests build the assets into a temporary folder; an error without them).
+## What CI runs: mypy on the product (pyproject's [tool.mypy]; first: about a minute cold, seconds with its cache), unit tests + the
+## smallest end-to-end runs of verl's trainer (vLLM's included), and the real model's asset build (its packages only:
+## the tests build the assets into a temporary folder; an error without them).
 ## The unit half runs on two pytest-xdist workers, a file to a worker (scripts/research/bench_test_workers.py measures it against one);
 ## the end-to-end half one test at a time (two Ray clusters on one machine starve each other).
 test: install install-megatron install-vllm $(VENV)/.real-model-installed
+	$(PY) -m mypy verl_lrstab
 	LRSTAB_REQUIRE_REAL=1 $(PY) -m pytest -m "not e2e and not slow" -n 2 --dist loadfile -q -rs --durations=15
 	LRSTAB_REQUIRE_REAL=1 $(PY) -m pytest -m "e2e and not slow" -q -rs --durations=25
 
@@ -150,4 +153,4 @@ repro-ci: install install-vllm
 	$(PY) scripts/research/repro/all.py --ci
 
 clean:
-	rm -rf $(VENV) $(VENV312) .assets .assets-vllm .assets-real outputs .pytest_cache
+	rm -rf $(VENV) $(VENV312) .assets .assets-vllm .assets-real outputs .pytest_cache .mypy_cache

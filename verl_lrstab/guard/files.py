@@ -16,6 +16,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+
 
 class GuardIOError(Exception):
     """One of the guard's own file operations failed (a full or read-only disk, a missing folder)."""
@@ -127,8 +129,8 @@ def lock_run_dir(run_dir: Path) -> int:
 
 
 def pid_alive(pid) -> bool:
+    """Whether ``pid`` (a number, or text of one) is a live process (a thread's id is not one)."""
     try:
-        os.kill(int(pid), 0)
-    except (OSError, TypeError, ValueError):
+        return psutil.pid_exists(int(pid))
+    except (TypeError, ValueError):
         return False
-    return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 from verl_lrstab.guard.files import write_atomic
 from verl_lrstab.runs import read_metrics
@@ -24,11 +25,16 @@ class MetricsFile:
         self.path = Path(path)
         with open(self.path, "ab"):  # verl opens it "wb" later: the same file, still empty
             pass
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._fd: Optional[int] = os.open(self.path, os.O_RDONLY)  # None once closed
         self.moved = False  # the name no longer holds the file read (renamed, deleted or replaced)
 
-    def _via(self) -> str:
-        return f"/proc/self/fd/{self._fd}"  # the held file, whatever its name now
+    def _held(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"{self.path}: read after close")
+        return self._fd
+
+    def _via(self) -> Path:
+        return Path(f"/proc/self/fd/{self._held()}")  # the held file, whatever its name now
 
     def read(self) -> dict[int, dict]:
         """``{step: metrics}`` of the file verl writes (:func:`verl_lrstab.runs.read_metrics`)."""
@@ -36,7 +42,7 @@ class MetricsFile:
         return read_metrics(self._via(), name=self.path)
 
     def _follow(self) -> None:
-        own = os.fstat(self._fd)
+        own = os.fstat(self._held())
         try:
             now = os.stat(self.path)
         except FileNotFoundError:
@@ -47,7 +53,7 @@ class MetricsFile:
         self.moved = True
         if own.st_size == 0 and now.st_size > 0:  # replaced before verl opened it: verl writes the new one
             fd = os.open(self.path, os.O_RDONLY)
-            os.close(self._fd)
+            os.close(self._held())
             self._fd = fd
 
     def put_back(self) -> bool:

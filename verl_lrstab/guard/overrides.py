@@ -9,7 +9,7 @@ never launched. The user's overrides are read by the same parser, as verl reads 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 from verl_lrstab.guard.plan import GuardError
 
@@ -30,7 +30,8 @@ def read_back(override: str):
     from omegaconf import OmegaConf
 
     value = _parse(override).value()
-    return OmegaConf.to_container(OmegaConf.create({"v": value}), resolve=True)["v"]
+    # a DictConfig's container is a dict (to_container is typed for every kind of config)
+    return cast(dict, OmegaConf.to_container(OmegaConf.create({"v": value}), resolve=True))["v"]
 
 
 def _element(value) -> str:

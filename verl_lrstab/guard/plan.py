@@ -386,11 +386,17 @@ class Trouble:
     surge_step: Optional[int] = None
 
 
-def _finite(value) -> bool:
+def _as_float(value) -> Optional[float]:
+    """``float(value)``, or None where it is not a number."""
     try:
-        return math.isfinite(float(value))
+        return float(value)
     except (TypeError, ValueError):
-        return False
+        return None
+
+
+def _finite(value) -> bool:
+    number = _as_float(value)
+    return number is not None and math.isfinite(number)
 
 
 def _series(df: pd.DataFrame, key: str) -> pd.Series:
@@ -458,13 +464,14 @@ def _surge(df: pd.DataFrame, config: LengthSurgeConfig) -> Optional[tuple[int, i
     length = _series(df, column)
     if length.dropna().empty:
         return None
-    cols = {}
-    for key, names in (("score", ("actor/lrstab/score", SCORE)), ("mismatch_kl", (KL,)), ("clip_ratio", (CLIP,))):
+    def column_of(*names: str) -> Optional[list]:
         name = next((n for n in names if n in df), None)
-        cols[key] = _series(df, name).reindex(length.index).tolist() if name else None
+        return _series(df, name).reindex(length.index).tolist() if name else None
+
     detector = LengthSurgeConfig.from_dict({**config.to_dict(), "monitor_only": True, "decay_from_step": None,
                                             "decay_period": None})
-    result = replay(length.index.tolist(), length.tolist(), detector, **cols)
+    result = replay(length.index.tolist(), length.tolist(), detector, score=column_of("actor/lrstab/score", SCORE),
+                    mismatch_kl=column_of(KL), clip_ratio=column_of(CLIP))
     if result.surge_step is None:
         return None
     steps, cusum = result.steps, result.cusum or []
@@ -493,10 +500,10 @@ def halvings_in_force(step: int, records: dict[int, dict], rule: Optional[tuple[
     force there (``(decay_from_step, decay_period)`` or None) and the ``actor/lrstab/lr_scale`` the
     trainer logged at that step (the run's own decay; absent when the schedule is not length_surge)."""
     n_rule = 0 if rule is None else num_decays(step, rule[1], "surge", rule[0])
-    scale = (records.get(step) or {}).get(LR_SCALE)
+    scale = _as_float((records.get(step) or {}).get(LR_SCALE))
     n_logged = 0
-    if _finite(scale) and 0 < float(scale) < 1:
-        n_logged = max(0, int(math.floor(math.log(float(scale)) / math.log(gamma) + 0.5)))
+    if scale is not None and math.isfinite(scale) and 0 < scale < 1:
+        n_logged = max(0, int(math.floor(math.log(scale) / math.log(gamma) + 0.5)))
     return max(n_rule, n_logged)
 
 

@@ -332,6 +332,14 @@ class Guard:
             self._checkpoints.release()
 
     # -- the persisted state -----------------------------------------------------------------------
+    @property
+    def _st(self) -> dict:
+        """The run's state, once there is one: loaded in ``__init__``, else made by :meth:`run` before
+        anything reads it."""
+        if self.state is None:
+            raise RuntimeError("the guard's state is read before run() made it")
+        return self.state
+
     def _save(self) -> None:
         with io_step("write the guard's state", self.run_dir / STATE):
             write_atomic(self.run_dir / STATE, json.dumps(self.state, indent=1))
@@ -398,12 +406,12 @@ class Guard:
         return STATUS_IO_ERROR
 
     def _end(self, status: str, code: int) -> int:
-        self.state["status"] = status
+        self._st["status"] = status
         self._save()
         return code
 
     def _finish(self, records: dict[int, dict]) -> int:
-        st = self.state
+        st = self._st
         final = self._write_final(records)
         self.events.write("done", max(records, default=0), metrics=str(final), rollbacks=st["attempt"],
                           restarts=st["restarts"])
@@ -433,10 +441,12 @@ class Guard:
                               max_rollbacks=self.options.max_rollbacks, warnings=self.plan.warnings)
             self._warn_stale_tracker()
             target = None  # the user's own resume_mode on the first launch
-            if self._first.scratch:
+            checked = self._first
+            assert checked is not None  # __init__ checks the first launch of every new run
+            if checked.scratch:
                 self._set_aside(None, "before-start")
-            elif self._first.keep is not None:  # verl would save over the folders after its resume step
-                self._set_aside(self._first.keep, "before-start")
+            elif checked.keep is not None:  # verl would save over the folders after its resume step
+                self._set_aside(checked.keep, "before-start")
         else:
             records = self._trajectory()
             if (not st["pending"] and self.plan.total_steps is not None
@@ -591,15 +601,15 @@ class Guard:
         """Move the ``global_step_N`` folders after ``step`` (all of them when None) aside to a fresh
         ``abandoned/<kind>-K``; the tracker names ``step`` (and with ``skip``, move ``step``'s
         dataloader position on). Journaled: see :meth:`_finish_pending`."""
-        k = self.state["restarts"] if kind == "restart" else None
-        self.state["pending"] = self._pending(step, self._fresh_dir(kind, k), skip=skip)
+        k = self._st["restarts"] if kind == "restart" else None
+        self._st["pending"] = self._pending(step, self._fresh_dir(kind, k), skip=skip)
         self._save()
         self._finish_pending()
 
     def _finish_pending(self) -> None:
         """Carry out the set-aside the state names (``pending``; :func:`.moves.carry_out`), then clear
         it. Every part can be redone, so a guard that died or failed midway finishes it on ``--resume``."""
-        pending = self.state.get("pending")
+        pending = self._st.get("pending")
         if not pending:
             return
         for event in pending.get("events") or []:  # the decision's own events (a rollback's), each once
@@ -616,7 +626,7 @@ class Guard:
         if moved:
             self.events.write("set_aside", None if pending.get("scratch") else pending["checkpoint_step"],
                               id=f"set_aside-{dest}", dest=pending["dest"], moved=moved)
-        self.state["pending"] = None
+        self._st["pending"] = None
         self._save()
         self._progress = None
 
@@ -630,7 +640,7 @@ class Guard:
 
     def _push_rule(self, ckpt: int, period: int, records: dict) -> dict:
         """The LR rule from ``ckpt`` on: one more decay than the one in force there (compounding)."""
-        st = self.state
+        st = self._st
         alive = [r for r in st["rules"] if r["checkpoint_step"] < ckpt]  # the rules of the kept trajectory
         in_force = (alive[-1]["decay_from_step"], alive[-1]["decay_period"]) if alive else None
         n = halvings_in_force(ckpt, records, in_force, self.plan.length_surge.gamma)
@@ -646,7 +656,7 @@ class Guard:
     def _extra(self, target: Optional[int]) -> list[str]:
         """The overrides of a launch: none on the first (the user's resume_mode), else verl's resume
         from ``target`` (from scratch when None) and the LR rule in force."""
-        st = self.state
+        st = self._st
         if target is None and not st["segments"][:-1]:  # the first launch
             scratch = self._first is not None and self._first.scratch and self.plan.resume_mode != "disable"
             return [override("trainer.resume_mode", "disable")] if scratch else []
@@ -737,7 +747,7 @@ class Guard:
     def _options_now(self) -> GuardOptions:
         """A surge is answered once: the rollback starts the decay (the remedy for a surge); after it,
         only a reward crash or a non-finite loss rolls back again."""
-        if self.state["attempt"] > 0 and self.options.on_surge:
+        if self._st["attempt"] > 0 and self.options.on_surge:
             from dataclasses import replace
 
             return replace(self.options, on_surge=False)
@@ -746,7 +756,7 @@ class Guard:
     def _trajectory(self) -> dict[int, dict]:
         """The run so far: each segment's steps, later segments replacing from where they resumed."""
         merged: dict[int, dict] = {}
-        for path, first in self.state["segments"]:
+        for path, first in self._st["segments"]:
             merged = {s: d for s, d in merged.items() if s < first}
             merged.update({s: d for s, d in self._read_segment(Path(path)).items() if s >= first})
         return merged
@@ -755,23 +765,24 @@ class Guard:
         """A segment's metrics; the running launch's through :class:`.metrics.MetricsFile` (followed when
         renamed or replaced: a ``metrics_moved`` event). A read error (a transient EIO) is retried
         :data:`READ_TRIES` times, then a ``read_retried`` event; one that lasts ends the guard (status 5)."""
-        running = self._metrics is not None and path == self._metrics.path
-        error = None
+        running = self._metrics if self._metrics is not None and path == self._metrics.path else None
+        error: Optional[OSError] = None
         for tries in range(1, READ_TRIES + 1):
             try:
-                records = self._metrics.read() if running else read_metrics(path)
+                records = running.read() if running is not None else read_metrics(path)
             except OSError as err:
                 error = err
                 time.sleep(READ_PAUSE_S)
                 continue
             if error is not None:
                 self.events.write("read_retried", None, path=str(path), error=str(error), tries=tries)
-            if running and self._metrics.moved and not self._moved_told:
+            if running is not None and running.moved and not self._moved_told:
                 self._moved_told = True
                 self.events.write("metrics_moved", max(records, default=None), path=str(path), followed=True)
                 say(f"lrstab guard: warning: verl's metrics file {path} was renamed or replaced while verl writes it; "
                     "the guard follows the file verl writes, and puts its lines back under that name after the launch")
             return records
+        assert error is not None  # the loop returns unless every try failed
         raise GuardIOError("read verl's metrics", path, error)
 
     def _write_final(self, records: dict[int, dict]) -> Path:

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 MODULE = "verl_lrstab.guard.watchdog"
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 GRACE_S = 10.0
@@ -33,35 +35,27 @@ def _prctl(option: int, value: int) -> None:
         pass
 
 
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (from /proc's parent links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def descendants(root: int) -> list[psutil.Process]:
+    """Every live process below ``root``."""
+    try:
+        return psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _send(processes: list[psutil.Process], sig: int) -> None:
+    """Signal each process; one that is gone (or whose pid is another process's now) is skipped."""
+    for process in processes:
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+            process.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
 
 
 def stop_tree(grace_s: float = GRACE_S) -> None:
     """SIGTERM every descendant, wait up to ``grace_s``, SIGKILL what is left; reap them all."""
-    me = os.getpid()
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        for pid in descendants(me):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        _send(descendants(os.getpid()), sig)
         end = time.monotonic() + wait
         while time.monotonic() < end and _reap_all():
             time.sleep(0.1)
@@ -82,39 +76,31 @@ def _reap_all() -> bool:
 ENV_RUN = "LRSTAB_GUARD_RUN"  # set in every process of a guarded launch (inherited): names the run folder
 
 
+def _launch_processes(run_dir: str, exclude=()) -> list[psutil.Process]:
+    me = os.getpid()
+    # an environment that cannot be read (another user's process, a zombie) is None
+    return [p for p in psutil.process_iter(["environ"]) if p.pid != me and p.pid not in exclude
+            and (p.info["environ"] or {}).get(ENV_RUN) == run_dir]
+
+
 def survivors(run_dir: str, exclude=()) -> list[int]:
-    """Live processes of a guarded launch of ``run_dir`` (its :data:`ENV_RUN` in their environment,
-    read from /proc): verl's driver, Ray's daemons and workers, whoever their parent is now (a
-    killed watchdog's orphans are re-parented to init) and whichever guard started them."""
-    mark = f"{ENV_RUN}={run_dir}".encode()
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me or int(entry) in exclude:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark in f.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:  # gone, or another user's
-            continue
-    return found
+    """Live processes of a guarded launch of ``run_dir`` (its :data:`ENV_RUN` in their environment):
+    verl's driver, Ray's daemons and workers, whoever their parent is now (a killed watchdog's
+    orphans are re-parented to init) and whichever guard started them."""
+    return [p.pid for p in _launch_processes(run_dir, exclude)]
 
 
 def stop_survivors(run_dir: str, grace_s: float = GRACE_S) -> list[int]:
     """SIGTERM the :func:`survivors` of ``run_dir``, SIGKILL those left after ``grace_s``; return
     those still alive after that (none, unless a process ignores SIGKILL: one in the kernel's D state)."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        pids = survivors(run_dir)
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        left = _launch_processes(run_dir)
+        _send(left, sig)
         end = time.monotonic() + wait
-        while pids and time.monotonic() < end:  # a zombie has no environment: it is not found again
-            pids = survivors(run_dir)
+        while left and time.monotonic() < end:  # a zombie has no environment: it is not found again
+            left = _launch_processes(run_dir)
             time.sleep(0.1)
-        if not pids:
+        if not left:
             return []
     return survivors(run_dir)
 
