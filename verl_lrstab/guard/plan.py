@@ -474,14 +474,19 @@ def _surge(df: pd.DataFrame, config: LengthSurgeConfig) -> Optional[tuple[int, i
                     mismatch_kl=column_of(KL), clip_ratio=column_of(CLIP))
     if result.surge_step is None:
         return None
-    steps, cusum = result.steps, result.cusum or []
-    onset = result.surge_step
-    if cusum:
-        i = steps.index(result.surge_step)
-        while i > 0 and cusum[i - 1] > 0:
-            i -= 1
-        onset = steps[i]
-    return result.surge_step, onset
+    steps, cusum, base = result.steps, result.cusum or [], result.baseline or []
+    values = dict(zip(length.index.tolist(), length.tolist()))
+
+    def rising(i: int) -> bool:
+        """Step ``i`` belongs to the rise: its CUSUM holds evidence, or its length is above its baseline (a
+        batch at or below the baseline resets the CUSUM inside a noisy rise)."""
+        above = i < len(base) and math.isfinite(base[i]) and values.get(steps[i], -math.inf) > base[i]
+        return (i < len(cusum) and cusum[i] > 0) or above
+
+    i = steps.index(result.surge_step)
+    while i > 0 and rising(i - 1):
+        i -= 1
+    return result.surge_step, steps[i]
 
 
 # -- the rollback ------------------------------------------------------------------------------------
