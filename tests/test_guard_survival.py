@@ -35,12 +35,13 @@ def _guard(run: Run) -> Guard:
     return Guard(run.command, run_dir=run.run_dir, env=run.env, cwd=run.dir, poll_s=0.2)
 
 
-def _eio_from(call: int, calls: int, monkeypatch):
-    """``MetricsFile.read`` fails with EIO from its ``call``-th call on, ``calls`` times."""
+def _eio_from(call: int, calls: int, monkeypatch, started=lambda: True):
+    """``MetricsFile.read`` fails with EIO from its ``call``-th call on, ``calls`` times (calls counted once
+    ``started()``: a loaded machine may start verl's stand-in after the guard's first reads)."""
     real, n = MetricsFile.read, [0]
 
     def read(self):
-        n[0] += 1
+        n[0] += started()
         if call <= n[0] < call + calls:
             raise OSError(errno.EIO, "Input/output error (injected)", str(self.path))
         return real(self)
@@ -59,7 +60,7 @@ def test_a_transient_read_error_is_retried_and_told(tmp_path, monkeypatch):
 
 def test_a_read_error_that_lasts_stops_verl_and_ends_with_status_5(tmp_path, monkeypatch):
     run = Run(tmp_path, {"nan_at": {"1": [10, 11]}}, step_s=0.05)
-    _eio_from(3, 100, monkeypatch)
+    _eio_from(3, 100, monkeypatch, started=lambda: (tmp_path / "pids.txt").exists())
     assert _guard(run).run() == 5
     failed = run.events()[-1]
     assert failed["event"] == "failed" and failed["operation"] == "read verl's metrics" and "(EIO)" in failed["error"]

@@ -116,7 +116,8 @@ def test_block_medians_cover_the_run_in_blocks_of_the_asked_size(pilot):
 def test_real_pilot_4s_climb_back_after_its_length_collapse_is_no_surge_for_the_default_detector():
     """The committed log of real-model pilot 4 (verl's main_ppo, SmolLM2-135M, LR 3e-5): its length fell
     from ~45 to ~23 tokens and climbed back to ~30-40 from step 82 while k3 doubled. The detector the
-    run was trained with fired at step 84; replayed on the very figures the trainer fed it, today's does not."""
+    run was trained with fired at step 84; replayed on the very figures the trainer fed it, today's does not (with
+    the run's own baseline window, 20 steps ending 3 back, nor with today's defaults)."""
     from verl_lrstab.config import LengthSurgeConfig
     from verl_lrstab.runs import load_run, metric_series
     from verl_lrstab.schedule import replay
@@ -126,11 +127,13 @@ def test_real_pilot_4s_climb_back_after_its_length_collapse_is_no_surge_for_the_
                                                                "surge_step", "cusum")}
     steps = fed["response_length"].index
     assert fed["surge_step"].loc[84] == 84 and (fed["surge_step"].loc[:83] == -1).all()  # the detector of that run, in the trainer
-    result = replay(steps.tolist(), fed["response_length"].tolist(), LengthSurgeConfig(),
-                    **{k: fed[k].reindex(steps).tolist() for k in ("mismatch_kl", "score", "clip_ratio")})
+    cosignals = {k: fed[k].reindex(steps).tolist() for k in ("mismatch_kl", "score", "clip_ratio")}
+    result = replay(steps.tolist(), fed["response_length"].tolist(),
+                    LengthSurgeConfig(cusum_span=20, cusum_lag=3), **cosignals)
     # the replay is the trainer's detector on the trainer's figures: the same CUSUM up to the fire
     assert result.cusum[:83] == pytest.approx(fed["cusum"].reindex(steps).tolist()[:83], abs=1e-9)
     assert result.surge_step is None
+    assert replay(steps.tolist(), fed["response_length"].tolist(), LengthSurgeConfig(), **cosignals).surge_step is None
 
 
 # -- the dose-response report ---------------------------------------------------------
