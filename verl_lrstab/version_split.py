@@ -22,11 +22,14 @@ tensor; :func:`split_figures` the logged figures. Pure: no verl.
 
 from __future__ import annotations
 
+import logging
 from typing import Mapping, Optional, Sequence
 
 import torch
 
 from verl_lrstab import mismatch
+
+logger = logging.getLogger("verl_lrstab")
 
 MAX_LAG = 4  # lags from here on share one group: a trainer this stale is measuring staleness only
 GROUPS = ("fresh", "lag_1", "lag_2", "lag_3", "lag_4_or_more", "partial", "unknown")
@@ -99,6 +102,14 @@ def group_stats(split: torch.Tensor, group: int) -> torch.Tensor:
     return torch.cat([split[group * N_SUM:(group + 1) * N_SUM], split[len(GROUPS) * N_SUM + group:][:1]])
 
 
+def whole_stats(split: torch.Tensor) -> torch.Tensor:
+    """The :data:`~verl_lrstab.mismatch.STAT_FIELDS` tensor of every sample together (the groups combined)."""
+    total = group_stats(split, 0)
+    for g in range(1, len(GROUPS)):
+        total = mismatch._combine(total, group_stats(split, g))
+    return total
+
+
 def fresh_stats(split: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The fresh samples' stats, or None when no fresh sample has a response token (nothing to feed)."""
     if split is None:
@@ -135,3 +146,25 @@ def split_figures(split: Optional[torch.Tensor]) -> dict:
     if sum(samples) > 0:
         figures[FRESH_SHARE_KEY] = samples[FRESH] / sum(samples)
     return figures
+
+
+_warned: set = set()
+
+
+def warn_once(reason: str, message: str) -> None:
+    """Log ``message`` once per process for ``reason``."""
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning(message)
+
+
+def warn_no_fresh() -> None:
+    warn_once("no_fresh", "verl_lrstab: this trainer step trained on no fresh sample (every sample was sampled with "
+                          "older weights, or across a weight sync), so no mismatch KL is fed to the detector this "
+                          "step; mismatch/stale/* are logged and mismatch/fresh_share is 0. (Said once.)")
+
+
+def warn_no_versions(keys) -> None:
+    warn_once("no_versions", "verl_lrstab: the actor batch carries no policy versions per sample (min_global_steps / "
+                             "max_global_steps, or extra_fields holding them), so its mismatch figures are logged as "
+                             f"mismatch/stale/unknown/* and none is fed to the detector (keys: {keys}). (Said once.)")

@@ -24,11 +24,11 @@ import threading
 import weakref
 
 from verl_lrstab.config import OPTIONS_KEY
-from verl_lrstab.glue import nodes, trainers
+from verl_lrstab.glue import nodes, trainers, versions
 from verl_lrstab.glue.config_classes import length_surge_options
 from verl_lrstab.glue.failsafe import SCHEDULER_NAME
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
-from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError
+from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, VERSION_LAGS_KEY, GlueError
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -150,6 +150,8 @@ def make_v1_update_actor(original_fn):
         count = int(getattr(self, "parameter_sync_step", 1) or 1)
         index = int(getattr(self, "local_trigger_step", 0) or 0)
         _tag(batch.extra_info, [index, count, int(is_async), response_cap(self.config)])
+        if is_async:
+            _tag_lags(batch.extra_info, versions.lags_or_none(versions.v1_lags, self, batch, index))
         return original(self, *args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
@@ -204,6 +206,12 @@ def _tag(info: dict, position: list) -> None:
     stats = _pop_pre_rs_stats()
     if stats is not None:
         info[PRE_RS_STATS_KEY] = stats
+
+
+def _tag_lags(info: dict, lags) -> None:
+    """An async trainer's version -> lag map, where verl hands it to the worker (none: the figures stay unsplit)."""
+    if lags is not None:
+        info[VERSION_LAGS_KEY] = lags
 
 
 def make_rollout_correction(original_fn):
