@@ -23,6 +23,22 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 
 
+#: verl's one-step-off-policy trainer on configs/cpu_demo.yaml: what verl's one_step_off_ppo_trainer.yaml adds to
+#: ppo_trainer (a rollout pool of its own, weights kept in place between syncs), with the CPU backend's gloo
+#: checkpoint engine for the weight sync between the pools (verl ships nccl there) and a fake GPU slot per pool.
+#: (cpu_demo.yaml sets hydra.searchpath, so it can only be the primary config: these travel as overrides.)
+ONE_STEP_OFF_MODULE = "verl.experimental.one_step_off_policy.main_ppo"
+ONE_STEP_OFF = [
+    "+rollout.nnodes=1", "+rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.rollout.free_cache_engine=false",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+    "trainer.use_v1=false",  # the one-step-off trainer is V0-shaped (DataProto batches)
+    "ray_kwargs.ray_init.num_cpus=16",  # OneStepTaskRunner asks for 10 CPU slots
+    "ray_kwargs.ray_init.num_gpus=2",
+]
+
+
 def cpu_env(assets_dir: os.PathLike, metrics_path: os.PathLike, run_dir: os.PathLike, extra: Optional[dict] = None):
     """Environment for a CPU run: opt into the CPU platform and load the backend in every process.
 
@@ -116,6 +132,7 @@ def run_main_ppo(
     env: Optional[dict] = None,
     on_progress: Optional[Callable[[dict[int, dict]], None]] = None,
     poll_s: float = 1.0,
+    module: str = "verl.trainer.main_ppo",
 ) -> RunResult:
     """Run ``python -m verl.trainer.main_ppo --config-path <config_dir> --config-name <config_name> ...``.
 
@@ -131,6 +148,8 @@ def run_main_ppo(
         env: extra environment variables.
         on_progress: called with the metrics read so far, every ``poll_s`` seconds while it runs.
         poll_s: progress polling period.
+        module: verl's entry point (``verl.experimental.one_step_off_policy.main_ppo``,
+            ``verl.experimental.fully_async_policy.fully_async_main`` run other trainers).
 
     Returns:
         :class:`RunResult` (call ``.check()`` to raise on failure).
@@ -141,7 +160,7 @@ def run_main_ppo(
     if metrics_path.exists():
         metrics_path.unlink()
     cmd = [
-        sys.executable, "-m", "verl.trainer.main_ppo",
+        sys.executable, "-m", module,
         "--config-path", str(Path(config_dir).resolve()), "--config-name", config_name,
         f"hydra.run.dir={run_dir / 'hydra'}",
         *overrides,

@@ -81,10 +81,12 @@ def check_run(config, require, trainer=None) -> bool:
     """
     global _length_surge_runs
     actor = config.actor_rollout_ref.actor
-    require("megatron" if actor.get("strategy") == "megatron" else "fsdp",
-            "v1" if config.trainer.get("use_v1", True) else "v0")
-    options = length_surge_options(actor.optim.get("length_surge"))
     cls = type(trainer) if trainer is not None else trainer_class(config)
+    # the trainer's own shape decides which wraps it needs (the one-step-off trainer is V0-shaped under any use_v1)
+    family = ("v1" if trainers._is_v1(cls) else "v0") if trainer is not None else \
+        ("v1" if config.trainer.get("use_v1", True) else "v0")
+    require("megatron" if actor.get("strategy") == "megatron" else "fsdp", family)
+    options = length_surge_options(actor.optim.get("length_surge"))
     is_async = run_is_async(config, cls)
     key = f"{OPTIONS_KEY}.trigger"
     if options.trigger != "length":
@@ -172,6 +174,8 @@ def make_v0_update_actor(original_fn):
         batch = argument((self,) + args, kwargs, 1, "batch")
         is_async = checked_async(self)
         _tag(batch.meta_info, [0, 1, int(is_async), response_cap(self.config)])  # V0: one update per trainer step
+        if is_async:
+            _tag_lags(batch.meta_info, versions.lags_or_none(versions.v0_lags, self, batch))
         return original(self, *args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
@@ -182,6 +186,16 @@ def v0_trainer_checks(module, fn):
         *source_contains(fn, "batch_td = batch.to_tensordict()", "left_right_2_no_padding(batch_td)")
     yield "V0 RayPPOTrainer.__init__ keeps the config as self.config", *source_contains(
         module.RayPPOTrainer.__init__, "self.config = config")
+
+
+def one_step_off_checks(module, fn):
+    trainer = module.OneStepOffRayTrainer
+    yield "OneStepOffRayTrainer.__init__ keeps the config as self.config", *source_contains(
+        trainer.__init__, "self.config = config")
+    yield "OneStepOffRayTrainer syncs the weights under global_steps before the step's update", *source_contains(
+        trainer._fit_generate, "self._fit_update_weights()")
+    yield "OneStepOffRayTrainer.fit syncs the loaded weights before its first step", *source_contains(
+        trainer.fit, "self._load_checkpoint()", "self._fit_update_weights()", "self.global_steps += 1")
 
 
 def response_cap(config) -> int:

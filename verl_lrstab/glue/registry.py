@@ -43,6 +43,12 @@ WRAPS: list = [
          lambda verl_fn: driver.make_trainer_init(verl_fn, require)),
     Wrap("verl.trainer.ppo.ray_trainer", "RayPPOTrainer", "_update_actor", ("self", "batch"),
          driver.make_v0_update_actor, driver.v0_trainer_checks),
+    # its __init__ skips RayPPOTrainer.__init__ (where a run is checked): the same checks at its own; not
+    # required: where it cannot be installed, the run is refused at its first _update_actor (driver.checked_async)
+    Wrap("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer", "__init__",
+         ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
+         lambda verl_fn: driver.make_trainer_init(verl_fn, require), driver.one_step_off_checks, required=False,
+         where="the one-step-off-policy trainer's run checks"),
     Wrap("verl.trainer.ppo.rollout_corr_helper", None, "compute_rollout_correction_and_add_to_batch",
          ("batch", "rollout_corr_config"), driver.make_rollout_correction, driver.rollout_correction_checks,
          also_in=("verl.trainer.ppo.v1.trainer_base",)),

@@ -12,11 +12,18 @@ of the actor between the sync and the update: 0 is the trainer's own weights.
   weights are version G - 1 (verl's own ``training/off_policy/trajectory_staleness`` is
   ``(G - 1) - max_global_steps``). A ``separate_async`` step's later updates run on weights the step
   already changed: every version is one more behind.
+- ``OneStepOffRayTrainer`` (V0-shaped): step G syncs under G before its update, so version t >= the
+  first step holds the weights after t - 1 updates, and the sync at ``fit``'s start, under the
+  step before the first (the loaded step), the weights after that many: at step G the trainer's
+  weights are version G (and the start's version on the first step), version t is G - t behind,
+  the start's version G - 1 - t. Its batch was sampled during the previous step: lag 1 from the
+  second step on.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Iterable, Optional
 
 logger = logging.getLogger("verl_lrstab")
@@ -42,6 +49,40 @@ def v1_lags(trainer, batch, index: int) -> dict:
     current = int(trainer.global_steps) - 1
     extra = 1 if index > 0 else 0
     return {v: current - v + extra for v in v1_tags_versions(batch)}
+
+
+def v0_batch_versions(batch) -> set:
+    """The versions of a V0-shaped ``DataProto``'s samples (the agent loop's non-tensor fields)."""
+    fields = batch.non_tensor_batch
+    if "min_global_steps" not in fields or "max_global_steps" not in fields:
+        return set()
+    return versions_in(zip(fields["min_global_steps"], fields["max_global_steps"]))
+
+
+#: trainer -> the first step it updated in this process (its ``fit`` synced the loaded weights just before)
+_first_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def one_step_off_lags(trainer, batch) -> dict:
+    """``OneStepOffRayTrainer``: version t is ``G - t`` behind at step G; the sync at ``fit``'s start
+    (under the step before the first) holds the weights of the first step's update: ``G - 1 - t``."""
+    step = int(trainer.global_steps)
+    first = _first_step.setdefault(trainer, step)
+    return {t: (step - t if t >= first else step - 1 - t) for t in v0_batch_versions(batch)}
+
+
+#: V0-shaped async trainers (by verl's class name in the MRO) -> their map of versions to lags
+V0_RULES = {"OneStepOffRayTrainer": one_step_off_lags}
+
+
+def v0_lags(trainer, batch) -> dict:
+    """The lags of a V0-shaped async trainer's batch, by the nearest of verl's classes with a rule; a trainer
+    without one has no known versions: an error (the figures then stay unsplit, with a warning)."""
+    for klass in type(trainer).__mro__:
+        rule = V0_RULES.get(klass.__name__)
+        if rule is not None and klass.__module__.startswith("verl."):
+            return rule(trainer, batch)
+    raise LookupError(f"no rule maps {type(trainer).__name__}'s weight versions to lags")
 
 
 def lags_or_none(compute, *args) -> Optional[list]:
