@@ -39,6 +39,28 @@ ONE_STEP_OFF = [
 ]
 
 
+#: verl's fully-async trainer (a FullyAsyncTrainer and a FullyAsyncRollouter, Ray actors, fed through a message
+#: queue) on configs/cpu_demo.yaml: what verl's fully_async_ppo_trainer.yaml adds to ppo_trainer, the gloo engine for
+#: the weight sync, 4 prompts a trainer step (16 samples), one update a sync cycle; ``+rollout.total_rollout_steps``
+#: (prompts) sets the run's length. The trainer and the rollouter ask for 10 CPU slots each.
+FULLY_ASYNC_MODULE = "verl.experimental.fully_async_policy.fully_async_main"
+FULLY_ASYNC = [
+    "+rollout.nnodes=1", "+rollout.n_gpus_per_node=1", "+rollout.n=4",
+    "data.train_batch_size=0", "+data.gen_batch_size=1",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+    "trainer.use_v1=false",
+    "+async_training.staleness_threshold=1", "+async_training.trigger_parameter_sync_step=1",
+    "+async_training.require_batches=1", "+async_training.partial_rollout=true",
+    "+async_training.use_trainer_do_validate=false", "+async_training.use_dynamic_resource_scheduling=false",
+    "+async_training.dynamic_schedule_policy=default", "+async_training.dynamic_schedule_deactivate_ratio=0.3",
+    "+async_training.dynamic_schedule_enable_rebalance=true", "+async_training.concurrent_samples_per_replica=16",
+    "ray_kwargs.ray_init.num_cpus=32",
+    "ray_kwargs.ray_init.num_gpus=2",
+]
+
+
 def cpu_env(assets_dir: os.PathLike, metrics_path: os.PathLike, run_dir: os.PathLike, extra: Optional[dict] = None):
     """Environment for a CPU run: opt into the CPU platform and load the backend in every process.
 

@@ -173,7 +173,8 @@ def make_v0_update_actor(original_fn):
     def tag_then_update(original, self, *args, **kwargs):
         batch = argument((self,) + args, kwargs, 1, "batch")
         is_async = checked_async(self)
-        _tag(batch.meta_info, [0, 1, int(is_async), response_cap(self.config)])  # V0: one update per trainer step
+        index, count = versions.v0_position(self)  # V0: one update per trainer step; fully-async: a sync cycle's
+        _tag(batch.meta_info, [index, count, int(is_async), response_cap(self.config)])
         if is_async:
             _tag_lags(batch.meta_info, versions.lags_or_none(versions.v0_lags, self, batch))
         return original(self, *args, **kwargs)
@@ -196,6 +197,18 @@ def one_step_off_checks(module, fn):
         trainer._fit_generate, "self._fit_update_weights()")
     yield "OneStepOffRayTrainer.fit syncs the loaded weights before its first step", *source_contains(
         trainer.fit, "self._load_checkpoint()", "self._fit_update_weights()", "self.global_steps += 1")
+
+
+def fully_async_checks(module, fn):
+    trainer = module.FullyAsyncTrainer.__ray_actor_class__
+    yield "FullyAsyncTrainer.__init__ keeps the config as self.config", *source_contains(
+        trainer.__init__, "self.config = config")
+    yield "FullyAsyncTrainer counts a sync cycle's updates in local_trigger_step from 1", *source_contains(
+        trainer.__init__, "self.local_trigger_step = 1", "self.trigger_parameter_sync_step = ")
+    yield "FullyAsyncTrainer's old-log-prob pass scores with the cycle's first weights", *source_contains(
+        trainer._compute_old_log_prob, "restore_model_from_cpu(1)")
+    yield "FullyAsyncTrainer advances current_param_version after a cycle's last update", *source_contains(
+        trainer._fit_update_local_step, "self.current_param_version += 1", "self.local_trigger_step = 1")
 
 
 def response_cap(config) -> int:

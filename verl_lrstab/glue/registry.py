@@ -49,6 +49,11 @@ WRAPS: list = [
          ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
          lambda verl_fn: driver.make_trainer_init(verl_fn, require), driver.one_step_off_checks, required=False,
          where="the one-step-off-policy trainer's run checks"),
+    # a Ray actor class: verl's own class is __ray_actor_class__; the same checks at its __init__
+    Wrap("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer.__ray_actor_class__",
+         "__init__", ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
+         lambda verl_fn: driver.make_trainer_init(verl_fn, require), driver.fully_async_checks, required=False,
+         where="the fully-async trainer's run checks"),
     Wrap("verl.trainer.ppo.rollout_corr_helper", None, "compute_rollout_correction_and_add_to_batch",
          ("batch", "rollout_corr_config"), driver.make_rollout_correction, driver.rollout_correction_checks,
          also_in=("verl.trainer.ppo.v1.trainer_base",)),

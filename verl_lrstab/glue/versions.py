@@ -18,6 +18,11 @@ of the actor between the sync and the update: 0 is the trainer's own weights.
   weights are version G (and the start's version on the first step), version t is G - t behind,
   the start's version G - 1 - t. Its batch was sampled during the previous step: lag 1 from the
   second step on.
+- ``FullyAsyncTrainer`` (V0-shaped, a Ray actor): one logged step is a sync cycle of
+  ``trigger_parameter_sync_step`` updates; at its end ``current_param_version`` advances and the weights
+  are synced under it. Its old-log-prob pass always scores with the cycle's first weights (verl restores
+  them: ``_compute_old_log_prob``), the weights of version ``current_param_version``: version t is
+  ``current_param_version - t`` behind, on every update of the cycle.
 """
 
 from __future__ import annotations
@@ -71,8 +76,24 @@ def one_step_off_lags(trainer, batch) -> dict:
     return {t: (step - t if t >= first else step - 1 - t) for t in v0_batch_versions(batch)}
 
 
+def fully_async_lags(trainer, batch) -> dict:
+    """``FullyAsyncTrainer``: version t is ``current_param_version - t`` behind (the old-log-prob pass's weights)."""
+    current = int(trainer.current_param_version)
+    return {t: current - t for t in v0_batch_versions(batch)}
+
+
 #: V0-shaped async trainers (by verl's class name in the MRO) -> their map of versions to lags
-V0_RULES = {"OneStepOffRayTrainer": one_step_off_lags}
+V0_RULES = {"OneStepOffRayTrainer": one_step_off_lags, "FullyAsyncTrainer": fully_async_lags}
+
+
+def v0_position(trainer) -> tuple:
+    """``(index of the update in the logged step, updates per logged step)`` of a V0-shaped trainer: the
+    fully-async trainer logs one step per sync cycle of ``trigger_parameter_sync_step`` updates
+    (``local_trigger_step`` counts them from 1); every other one update a step."""
+    if any(k.__name__ == "FullyAsyncTrainer" and k.__module__.startswith("verl.") for k in type(trainer).__mro__):
+        count = int(trainer.trigger_parameter_sync_step)
+        return int(trainer.local_trigger_step) - 1, count
+    return 0, 1
 
 
 def v0_lags(trainer, batch) -> dict:
