@@ -55,7 +55,6 @@ NOT_TRAINERS = {  # classes named like trainers that never update the actor
 }
 REFUSED = {  # (module, class): refused where verl first sees the config (tests/test_refusals.py, below)
     ("verl.trainer.sft_trainer", "SFTTrainer"), ("verl.trainer.sft_trainer_ray", "SFTTrainer"),
-    ("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer"),
 }
 
 
@@ -191,6 +190,43 @@ def test_one_step_off_maps_its_versions_to_lags_as_its_syncs_happen():
     assert versions.v0_lags(trainer, batch([5, 4], [5, 5])) == {5: 1, 4: 1}
     trainer.global_steps = 7
     assert versions.v0_lags(trainer, batch([6], [6])) == {6: 1}
+
+
+# -- the fully-async trainer: served, async; its __init__ (a Ray actor class's) runs the checks --------------
+def build_fully_async(cfg):
+    from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
+
+    cls = FullyAsyncTrainer.__ray_actor_class__
+    trainer = cls.__new__(cls)
+    with pytest.raises(AssertionError):  # verl's own `assert not self.hybrid_engine`, after ours
+        trainer.__init__(cfg, None, {}, None)
+    return trainer
+
+
+def test_fully_async_runs_the_checks_at_its_init_and_is_async():
+    trainer = build_fully_async(config("trainer.use_v1=true"))
+    assert driver.checked_async(trainer) is True
+    with pytest.raises(GlueError, match=r"trainer verl.experimental.fully_async_policy.fully_async_trainer."
+                                        r"FullyAsyncTrainer.*staleness"):
+        build_fully_async(config(*MISMATCH))
+
+
+def test_fully_async_feeds_once_a_sync_cycle_and_counts_lags_from_the_old_log_prob_weights():
+    import numpy as np
+
+    from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
+    from verl_lrstab.glue import versions
+
+    cls = FullyAsyncTrainer.__ray_actor_class__
+    trainer = cls.__new__(cls)
+    trainer.trigger_parameter_sync_step, trainer.current_param_version = 3, 7
+    batch = SimpleNamespace(non_tensor_batch={"min_global_steps": np.array([7, 6, 5], dtype=object),
+                                              "max_global_steps": np.array([7, 7, 6], dtype=object)})
+    for local, index in ((1, 0), (2, 1), (3, 2)):  # local_trigger_step counts the cycle's updates from 1
+        trainer.local_trigger_step = local
+        assert versions.v0_position(trainer) == (index, 3)
+        assert versions.v0_lags(trainer, batch) == {7: 0, 6: 1, 5: 2}  # the cycle's first weights: version 7
+    assert versions.v0_position(RayPPOTrainer.__new__(RayPPOTrainer)) == (0, 1)
 
 
 @pytest.mark.parametrize("base,update", [(RayPPOTrainer, lambda t: t._update_actor(SimpleNamespace(meta_info={}))),

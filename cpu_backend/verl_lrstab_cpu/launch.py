@@ -48,6 +48,10 @@ FULLY_ASYNC = [
     "+rollout.nnodes=1", "+rollout.n_gpus_per_node=1", "+rollout.n=4",
     "data.train_batch_size=0", "+data.gen_batch_size=1",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    # a trainer step's 16 samples must divide into micro-batches (cpu_demo's are 32)
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
     "actor_rollout_ref.hybrid_engine=false",
     "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
     "trainer.use_v1=false",
