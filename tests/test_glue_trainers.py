@@ -196,7 +196,7 @@ def test_one_step_off_maps_its_versions_to_lags_as_its_syncs_happen():
 def build_fully_async(cfg):
     from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
 
-    cls = FullyAsyncTrainer.__ray_actor_class__
+    cls = FullyAsyncTrainer.__ray_metadata__.modified_class  # what Ray builds the actor from
     trainer = cls.__new__(cls)
     with pytest.raises(AssertionError):  # verl's own `assert not self.hybrid_engine`, after ours
         trainer.__init__(cfg, None, {}, None)

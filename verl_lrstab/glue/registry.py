@@ -53,8 +53,10 @@ WRAPS: list = [
          ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
          lambda verl_fn: driver.make_trainer_init(verl_fn, require), driver.one_step_off_checks, required=False,
          fallback=REFUSED_AT_FIRST_UPDATE.format("the one-step-off-policy trainer")),
-    # a Ray actor class: verl's own class is __ray_actor_class__; the same checks at its __init__
-    Wrap("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer.__ray_actor_class__",
+    # a Ray actor class: Ray builds the actor from the class it made at decoration (modified_class), whose
+    # __init__ is its own copy (Ray's tracing wrapper of verl's): wrapping __ray_actor_class__ would never run
+    Wrap("verl.experimental.fully_async_policy.fully_async_trainer",
+         "FullyAsyncTrainer.__ray_metadata__.modified_class",
          "__init__", ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
          lambda verl_fn: driver.make_trainer_init(verl_fn, require), driver.fully_async_checks, required=False,
          fallback=REFUSED_AT_FIRST_UPDATE.format("the fully-async trainer")),

@@ -58,5 +58,6 @@ def _is_v1(cls: type) -> bool:
 
 
 def describe(cls: type) -> str:
-    """``module.Class`` of a trainer class, for messages."""
+    """``module.Class`` of a trainer class, for messages (a Ray actor's: the class it was made from)."""
+    cls = getattr(cls, "__ray_actor_class__", cls)
     return f"{cls.__module__}.{cls.__qualname__}"
