@@ -86,3 +86,20 @@ def test_one_step_off_surge_decays_the_lr_as_a_replay_and_resumes_the_schedule_e
     assert second.metrics[N_STEPS]["actor/lrstab/decay_period"] == max(1, int(PERIOD_FACTOR * surge + 0.5))
     # the resumed segment's first step trains on the weights synced at its fit's start: fresh again
     assert second.metrics[RESUME_AT + 1]["actor/mismatch/fresh_share"] == 1.0
+
+
+@pytest.mark.slow  # two more runs (2 x 70 s)
+def test_a_stock_one_step_off_run_is_the_same_with_the_plugin_and_without(main_ppo):
+    """constant LR, the verl-lrstab plugin loaded vs disabled (VERL_USE_EXTERNAL_PLUGINS=none; the CPU backend
+    still loads through VERL_USE_EXTERNAL_MODULES): the same keys, no lrstab/mismatch figure, the same numbers."""
+    overrides = ["trainer.total_training_steps=3", "trainer.test_freq=-1",
+                 "actor_rollout_ref.actor.optim.lr_scheduler_type=constant", "~actor_rollout_ref.actor.optim.length_surge"]
+    with_plugin = one_step_off(main_ppo, "one-step-off-stock-plugin", overrides)
+    stock = one_step_off(main_ppo, "one-step-off-stock-none", overrides, env={"VERL_USE_EXTERNAL_PLUGINS": "none"})
+    assert sorted(with_plugin.metrics) == sorted(stock.metrics) == [1, 2, 3]
+    for step in (1, 2, 3):
+        a, b = with_plugin.metrics[step], stock.metrics[step]
+        assert not [k for k in (*a, *b) if k.startswith(("actor/lrstab/", "actor/mismatch/"))]
+        assert set(a) == set(b), set(a) ^ set(b)
+        for key in ("actor/lr", "actor/grad_norm", "response_length/mean", "critic/score/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), (step, key)

@@ -1,0 +1,54 @@
+"""End-to-end: verl 0.9.1's real fully-async trainer (``verl.experimental.fully_async_policy.fully_async_main``: a
+``FullyAsyncTrainer`` and a ``FullyAsyncRollouter``, Ray actors, fed through verl's message queue) on CPU with
+``lr_scheduler_type=length_surge``: cpu_demo.yaml plus ``verl_lrstab_cpu.launch.FULLY_ASYNC`` (the weight sync
+through the CPU backend's ``gloo`` checkpoint engine; 4 prompts x 4 samples a trainer step, one update a sync cycle).
+
+verl logs a sync cycle's aggregated metrics at the next cycle's end, under the version it then holds (the
+rows' ``training/global_step`` is the update they hold), and does not log the last cycle's with
+``test_freq`` <= 0: each row here is one update, ``training/global_step`` names it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_main_ppo_cpu import LR0, SURGE, fresh_scheduler, step_as_logged
+from verl_lrstab_cpu.launch import FULLY_ASYNC, FULLY_ASYNC_MODULE
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = 24  # +rollout.total_rollout_steps: 6 trainer steps of 4 prompts
+
+
+def fully_async(main_ppo, name: str, staleness: float, prompts: int = PROMPTS, extra=()):
+    run = main_ppo(name, FULLY_ASYNC + SURGE + [f"++async_training.staleness_threshold={staleness}",
+                                                f"+rollout.total_rollout_steps={prompts}", "trainer.test_freq=-1",
+                                                *extra], module=FULLY_ASYNC_MODULE)
+    rows = {int(d["training/global_step"]): d for d in run.metrics.values() if "actor/lr" in d}
+    assert rows, "no actor update was logged"
+    return rows
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_fully_async_feeds_the_length_and_only_the_fresh_samples_mismatch(main_ppo, staleness):
+    rows = fully_async(main_ppo, f"fully-async-s{staleness}", staleness)
+    assert sorted(rows) == list(range(1, len(rows) + 1)) and len(rows) >= 3, sorted(rows)
+    replayed = fresh_scheduler()
+    fresh_k3, stale_k3 = [], []
+    for step in sorted(rows):
+        data = rows[step]
+        assert data["actor/lrstab/response_length"] == pytest.approx(data["response_length/mean"], rel=1e-9), step
+        step_as_logged(replayed, data)  # every logged lrstab/* figure is what the package makes of the feed
+        assert data["actor/lr"] == pytest.approx(replayed.get_last_lr()[0], rel=1e-12), step
+        share = data["actor/mismatch/fresh_share"]
+        if share > 0:
+            fresh_k3.append(data["actor/mismatch/k3"])
+            assert data["actor/lrstab/mismatch_kl"] == data["actor/mismatch/k3"], step
+        else:
+            assert "actor/mismatch/k3" not in data and "actor/lrstab/mismatch_kl" not in data, step
+        stale_k3 += [v for k, v in data.items() if k.startswith("actor/mismatch/stale/") and k.endswith("/k3")]
+    assert rows[1]["actor/mismatch/fresh_share"] == 1.0  # the first update trains on the weights synced at start
+    assert fresh_k3 and max(fresh_k3) < 1e-8, fresh_k3  # float32 both sides: the engine agrees to rounding
+    if staleness == 1:
+        assert stale_k3 and min(stale_k3) > 1e3 * max(max(fresh_k3), 1e-12), (fresh_k3, stale_k3)
+    assert replayed.get_last_lr()[0] == LR0  # a few steps: no surge yet
