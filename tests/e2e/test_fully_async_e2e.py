@@ -52,3 +52,44 @@ def test_fully_async_feeds_the_length_and_only_the_fresh_samples_mismatch(main_p
     if staleness == 1:
         assert stale_k3 and min(stale_k3) > 1e3 * max(max(fresh_k3), 1e-12), (fresh_k3, stale_k3)
     assert replayed.get_last_lr()[0] == LR0  # a few steps: no surge yet
+
+
+N_STEPS, RESUME_AT, BATCH = 26, 20, 8  # the resumed pair: 8 prompts a step (as cpu_demo's other runs)
+
+
+@pytest.mark.slow  # two segments of a 26-step run
+def test_fully_async_surge_decays_the_lr_as_a_replay_and_resumes_the_schedule_exactly(main_ppo):
+    from pathlib import Path
+
+    import torch
+
+    from test_main_ppo_cpu import same
+
+    # test_freq above the run's length: verl then logs the last cycle too (and never validates)
+    base = FULLY_ASYNC + SURGE + ["++async_training.staleness_threshold=1", "trainer.test_freq=1000",
+                                  f"actor_rollout_ref.actor.ppo_mini_batch_size={BATCH}"]
+    first = main_ppo("fully-async-resume", base + [f"+rollout.total_rollout_steps={BATCH * RESUME_AT}",
+                                                   f"trainer.save_freq={RESUME_AT}"],
+                     metrics_name="segment1.jsonl", module=FULLY_ASYNC_MODULE)
+    second = main_ppo("fully-async-resume", base + [f"+rollout.total_rollout_steps={BATCH * N_STEPS}",
+                                                    "trainer.resume_mode=auto"],
+                      metrics_name="segment2.jsonl", module=FULLY_ASYNC_MODULE)
+    rows1 = {int(d["training/global_step"]): d for d in first.metrics.values() if "actor/lr" in d}
+    rows2 = {int(d["training/global_step"]): d for d in second.metrics.values() if "actor/lr" in d}
+    assert sorted(rows1) == list(range(1, RESUME_AT + 1)), sorted(rows1)
+    assert sorted(rows2) == list(range(RESUME_AT + 1, N_STEPS + 1)), sorted(rows2)
+    replayed = fresh_scheduler()
+    for step in range(1, RESUME_AT + 1):
+        step_as_logged(replayed, rows1[step])
+        assert rows1[step]["actor/lr"] == pytest.approx(replayed.get_last_lr()[0], rel=1e-12), step
+    ckpt = sorted(Path(first.metrics_path.parent, "checkpoints", f"global_step_{RESUME_AT}").rglob(
+        "extra_state_world_size_*_rank_0.pt"))
+    assert len(ckpt) == 1, ckpt
+    saved = torch.load(ckpt[0], weights_only=False)["lr_scheduler"]
+    assert same(saved, replayed.state_dict()), (saved, replayed.state_dict())
+    for step in range(RESUME_AT + 1, N_STEPS + 1):
+        step_as_logged(replayed, rows2[step])
+        assert rows2[step]["actor/lr"] == pytest.approx(replayed.get_last_lr()[0], rel=1e-12), step
+        for key, value in replayed.metrics().items():
+            assert rows2[step][f"actor/{key}"] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, key)
+    assert replayed.surge_step is not None and replayed.get_last_lr()[0] < LR0, "no surge, no decay"
