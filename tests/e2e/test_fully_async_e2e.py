@@ -4,11 +4,14 @@
 through the CPU backend's ``gloo`` checkpoint engine; 4 prompts x 4 samples a trainer step, one update a sync cycle).
 
 verl logs a sync cycle's aggregated metrics at the next cycle's end, under the version it then holds (the
-rows' ``training/global_step`` is the update they hold), and does not log the last cycle's with
-``test_freq`` <= 0: each row here is one update, ``training/global_step`` names it.
+rows' ``training/global_step`` is the update they hold), does not log the last cycle's with ``test_freq`` <= 0,
+and otherwise logs it under the label of the row before: each row here is one update, read from the raw lines,
+``training/global_step`` names it.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -20,13 +23,23 @@ pytestmark = pytest.mark.e2e
 PROMPTS = 24  # +rollout.total_rollout_steps: 6 trainer steps of 4 prompts
 
 
+def update_rows(run) -> dict:
+    """``{update: its logged metrics}``, from the raw lines: verl's last flush of a run logs under the step label
+    of the row before it (both lines are in the file; a view merged by step keeps one)."""
+    rows = {}
+    for line in run.metrics_path.read_text().splitlines():
+        data = json.loads(line)["data"]
+        if "actor/lr" in data:
+            rows[int(data["training/global_step"])] = data
+    assert rows, "no actor update was logged"
+    return rows
+
+
 def fully_async(main_ppo, name: str, staleness: float, prompts: int = PROMPTS, extra=()):
     run = main_ppo(name, FULLY_ASYNC + SURGE + [f"++async_training.staleness_threshold={staleness}",
                                                 f"+rollout.total_rollout_steps={prompts}", "trainer.test_freq=-1",
                                                 *extra], module=FULLY_ASYNC_MODULE)
-    rows = {int(d["training/global_step"]): d for d in run.metrics.values() if "actor/lr" in d}
-    assert rows, "no actor update was logged"
-    return rows
+    return update_rows(run)
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
@@ -74,10 +87,12 @@ def test_fully_async_surge_decays_the_lr_as_a_replay_and_resumes_the_schedule_ex
     second = main_ppo("fully-async-resume", base + [f"+rollout.total_rollout_steps={BATCH * N_STEPS}",
                                                     "trainer.resume_mode=auto"],
                       metrics_name="segment2.jsonl", module=FULLY_ASYNC_MODULE)
-    rows1 = {int(d["training/global_step"]): d for d in first.metrics.values() if "actor/lr" in d}
-    rows2 = {int(d["training/global_step"]): d for d in second.metrics.values() if "actor/lr" in d}
+    rows1, rows2 = update_rows(first), update_rows(second)
     assert sorted(rows1) == list(range(1, RESUME_AT + 1)), sorted(rows1)
-    assert sorted(rows2) == list(range(RESUME_AT + 1, N_STEPS + 1)), sorted(rows2)
+    # verl's resume sets global_steps to the checkpoint's version + 1, then its fit adds 1: the resumed updates
+    # are labelled from RESUME_AT + 2 (the scheduler counts its own updates: RESUME_AT + 1 on)
+    resumed = [rows2[k] for k in sorted(rows2)]
+    assert len(resumed) == N_STEPS - RESUME_AT, sorted(rows2)
     replayed = fresh_scheduler()
     for step in range(1, RESUME_AT + 1):
         step_as_logged(replayed, rows1[step])
@@ -87,9 +102,10 @@ def test_fully_async_surge_decays_the_lr_as_a_replay_and_resumes_the_schedule_ex
     assert len(ckpt) == 1, ckpt
     saved = torch.load(ckpt[0], weights_only=False)["lr_scheduler"]
     assert same(saved, replayed.state_dict()), (saved, replayed.state_dict())
-    for step in range(RESUME_AT + 1, N_STEPS + 1):
-        step_as_logged(replayed, rows2[step])
-        assert rows2[step]["actor/lr"] == pytest.approx(replayed.get_last_lr()[0], rel=1e-12), step
+    for step, data in enumerate(resumed, RESUME_AT + 1):
+        step_as_logged(replayed, data)
+        assert data["actor/lr"] == pytest.approx(replayed.get_last_lr()[0], rel=1e-12), step
         for key, value in replayed.metrics().items():
-            assert rows2[step][f"actor/{key}"] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, key)
+            assert data[f"actor/{key}"] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, key)
+    assert resumed[0]["actor/mismatch/fresh_share"] == 1.0  # the first resumed update: the weights synced at start
     assert replayed.surge_step is not None and replayed.get_last_lr()[0] < LR0, "no surge, no decay"
