@@ -139,3 +139,19 @@ def test_the_version_tag_reads_back():
     assert version_lags([5, 1, 6, 0]) == {5: 1, 6: 0}
     with pytest.raises(ValueError):
         version_lags([5, 1, 6])
+
+
+def test_v1_async_versions_lag_behind_global_steps_minus_one_and_one_more_on_a_steps_later_updates():
+    """V1 syncs under global_steps after the step's updates: at step G the trainer's weights are version G - 1
+    (verl's trajectory_staleness); a separate_async step's later updates run on weights the step changed."""
+    from types import SimpleNamespace
+
+    from verl_lrstab.glue import versions
+
+    trainer = SimpleNamespace(global_steps=5)
+    batch = SimpleNamespace(tags=[{"min_global_steps": 4, "max_global_steps": 4},
+                                  {"min_global_steps": 3, "max_global_steps": 4}, {"is_padding": True}])
+    assert versions.v1_lags(trainer, batch, index=0) == {4: 0, 3: 1}
+    assert versions.v1_lags(trainer, batch, index=1) == {4: 1, 3: 2}
+    assert versions.flat({4: 0, 3: 1}) == [3, 1, 4, 0]
+    assert version_lags(versions.flat({4: 0, 3: 1})) == {3: 1, 4: 0}
