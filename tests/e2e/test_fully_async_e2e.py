@@ -109,3 +109,22 @@ def test_fully_async_surge_decays_the_lr_as_a_replay_and_resumes_the_schedule_ex
             assert data[f"actor/{key}"] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, key)
     assert resumed[0]["actor/mismatch/fresh_share"] == 1.0  # the first resumed update: the weights synced at start
     assert replayed.surge_step is not None and replayed.get_last_lr()[0] < LR0, "no surge, no decay"
+
+
+@pytest.mark.slow  # two more runs
+def test_a_stock_fully_async_run_is_the_same_with_the_plugin_and_without(main_ppo):
+    """constant LR, staleness 0 (the rollouter samples each version's batch on that version: no timing in the
+    data), the verl-lrstab plugin loaded vs disabled (VERL_USE_EXTERNAL_PLUGINS=none): the same rows and numbers."""
+    overrides = FULLY_ASYNC + ["++async_training.staleness_threshold=0", "+rollout.total_rollout_steps=16",
+                               "trainer.test_freq=-1", "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
+                               "~actor_rollout_ref.actor.optim.length_surge"]
+    with_plugin = update_rows(main_ppo("fully-async-stock-plugin", overrides, module=FULLY_ASYNC_MODULE))
+    stock = update_rows(main_ppo("fully-async-stock-none", overrides, module=FULLY_ASYNC_MODULE,
+                                 env={"VERL_USE_EXTERNAL_PLUGINS": "none"}))
+    assert sorted(with_plugin) == sorted(stock) and len(stock) >= 2, (sorted(with_plugin), sorted(stock))
+    for step in stock:
+        a, b = with_plugin[step], stock[step]
+        assert not [k for k in (*a, *b) if k.startswith(("actor/lrstab/", "actor/mismatch/"))]
+        assert set(a) == set(b), set(a) ^ set(b)
+        for key in ("actor/lr", "actor/grad_norm", "response_length/mean", "critic/score/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), (step, key)
