@@ -23,7 +23,7 @@ tensor; :func:`split_figures` the logged figures. Pure: no verl.
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, cast
 
 import torch
 
@@ -80,7 +80,7 @@ def split_stats(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, re
     if groups.numel() != n_samples:
         raise ValueError(f"{groups.numel()} group ids for {n_samples} samples")
     if nested:
-        offsets = response_mask.offsets()
+        offsets = cast(Any, response_mask).offsets()  # a nested tensor's (torch's stubs type a plain Tensor)
         old, roll, mask = old_log_probs.values(), rollout_log_probs.values(), response_mask.values()
         per_token = groups.to(mask.device).repeat_interleave(offsets.diff().to(mask.device))
     else:

@@ -192,7 +192,7 @@ def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_
     parts = [Part(_local_length(data, cap), width), Part(_local_score(data), 2), Part(_local_model_tokens(data), 1)]
     has_log_probs = "rollout_log_probs" in data.keys() and "old_log_probs" in data.keys()
     splitting = version_lags is not None and pre_rejection_stats is None and has_log_probs
-    if splitting:
+    if splitting and version_lags is not None:  # (the None test narrows its type)
         parts.append(Part(_local_split(data, version_lags), version_split.SIZE, n_max=version_split.N_MAX))
     elif pre_rejection_stats is None and has_log_probs:
         parts.append(Part(_local_mismatch(data), len(mismatch.STAT_FIELDS), n_max=1))
