@@ -55,8 +55,6 @@ NOT_TRAINERS = {  # classes named like trainers that never update the actor
 }
 REFUSED = {  # (module, class): refused where verl first sees the config (tests/test_refusals.py, below)
     ("verl.trainer.sft_trainer", "SFTTrainer"), ("verl.trainer.sft_trainer_ray", "SFTTrainer"),
-    ("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer"),
-    ("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer"),
 }
 
 
@@ -151,17 +149,84 @@ def test_a_user_subclass_of_v0_is_judged_by_verls_class_it_derives_from():
     assert trainers.is_async(type("Unrelated", (), {}))  # not a verl trainer at all: never judged sync
 
 
-# -- refused --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("key", ["lr_scheduler_type", "lr_decay_style"])
-def test_one_step_off_policy_is_refused_at_init_naming_the_class(key):
-    from omegaconf import OmegaConf
+# -- the one-step-off trainer: served, async; its own __init__ runs the checks ----------------------------
+ONE_STEP_OFF = ("trainer.use_v1=true",)  # its shape decides the wraps it needs, not use_v1 (it is V0-shaped)
 
+
+def build_one_step_off(cfg):
     from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer
 
-    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {key: "length_surge"}}}})
-    with pytest.raises(LengthSurgeNotSupported, match=r"OneStepOffRayTrainer: its rollout samples one policy "
-                                                       r"version behind"):
-        OneStepOffRayTrainer(cfg, None, {}, None)
+    trainer = OneStepOffRayTrainer.__new__(OneStepOffRayTrainer)
+    with pytest.raises(AssertionError):  # verl's own `assert not self.hybrid_engine`, after ours
+        trainer.__init__(cfg, None, {}, None)
+    return trainer
+
+
+def test_one_step_off_runs_the_checks_at_its_own_init_and_is_async():
+    trainer = build_one_step_off(config(*ONE_STEP_OFF))
+    assert driver.checked_async(trainer) is True
+    with pytest.raises(GlueError, match=r"trainer verl.experimental.one_step_off_policy.ray_trainer."
+                                        r"OneStepOffRayTrainer.*staleness"):
+        build_one_step_off(config(*ONE_STEP_OFF, *MISMATCH))
+
+
+def test_one_step_off_maps_its_versions_to_lags_as_its_syncs_happen():
+    """fit syncs the loaded weights under the step before the first; step G syncs under G before its update:
+    the first step trains on the start's sync (lag 0), every later step on the previous step's (lag 1)."""
+    import numpy as np
+
+    from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer
+    from verl_lrstab.glue import versions
+
+    trainer = OneStepOffRayTrainer.__new__(OneStepOffRayTrainer)
+
+    def batch(lo, hi):
+        return SimpleNamespace(non_tensor_batch={"min_global_steps": np.array(lo, dtype=object),
+                                                 "max_global_steps": np.array(hi, dtype=object)})
+
+    trainer.global_steps = 5  # resumed from step 4: fit synced under 4, the first batch was sampled on it
+    assert versions.v0_lags(trainer, batch([4, 4], [4, 4])) == {4: 0}
+    trainer.global_steps = 6  # sampled after step 5's sync (under 5: the weights before step 5's update)
+    assert versions.v0_lags(trainer, batch([5, 4], [5, 5])) == {5: 1, 4: 1}
+    trainer.global_steps = 7
+    assert versions.v0_lags(trainer, batch([6], [6])) == {6: 1}
+
+
+# -- the fully-async trainer: served, async; its __init__ (a Ray actor class's) runs the checks --------------
+def build_fully_async(cfg):
+    from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
+
+    cls = FullyAsyncTrainer.__ray_metadata__.modified_class  # what Ray builds the actor from
+    trainer = cls.__new__(cls)
+    with pytest.raises(AssertionError):  # verl's own `assert not self.hybrid_engine`, after ours
+        trainer.__init__(cfg, None, {}, None)
+    return trainer
+
+
+def test_fully_async_runs_the_checks_at_its_init_and_is_async():
+    trainer = build_fully_async(config("trainer.use_v1=true"))
+    assert driver.checked_async(trainer) is True
+    with pytest.raises(GlueError, match=r"trainer verl.experimental.fully_async_policy.fully_async_trainer."
+                                        r"FullyAsyncTrainer.*staleness"):
+        build_fully_async(config(*MISMATCH))
+
+
+def test_fully_async_feeds_once_a_sync_cycle_and_counts_lags_from_the_old_log_prob_weights():
+    import numpy as np
+
+    from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
+    from verl_lrstab.glue import versions
+
+    cls = FullyAsyncTrainer.__ray_actor_class__
+    trainer = cls.__new__(cls)
+    trainer.trigger_parameter_sync_step, trainer.current_param_version = 3, 7
+    batch = SimpleNamespace(non_tensor_batch={"min_global_steps": np.array([7, 6, 5], dtype=object),
+                                              "max_global_steps": np.array([7, 7, 6], dtype=object)})
+    for local, index in ((1, 0), (2, 1), (3, 2)):  # local_trigger_step counts the cycle's updates from 1
+        trainer.local_trigger_step = local
+        assert versions.v0_position(trainer) == (index, 3)
+        assert versions.v0_lags(trainer, batch) == {7: 0, 6: 1, 5: 2}  # the cycle's first weights: version 7
+    assert versions.v0_position(RayPPOTrainer.__new__(RayPPOTrainer)) == (0, 1)
 
 
 @pytest.mark.parametrize("base,update", [(RayPPOTrainer, lambda t: t._update_actor(SimpleNamespace(meta_info={}))),

@@ -66,12 +66,3 @@ def test_sft_trainer_refuses_length_surge(module):
     trainer.config = ppo_config("optim.lr_scheduler_type=length_surge", config_name="sft_trainer_engine")
     with refused(r"optim\.lr_scheduler_type=length_surge is not supported for the SFT trainer.*" + SUPPORTED):
         trainer._build_config()
-
-
-def test_fully_async_trainer_refuses_length_surge():
-    from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
-
-    cls = FullyAsyncTrainer.__ray_actor_class__
-    config = OmegaConf.create({"actor_rollout_ref": {"actor": {"optim": {"lr_scheduler_type": "length_surge"}}}})
-    with refused(r"lr_scheduler_type=length_surge is not supported for the fully-async trainer.*" + SUPPORTED):
-        cls.__init__(cls.__new__(cls), config, None, {}, None)

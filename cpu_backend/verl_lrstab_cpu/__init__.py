@@ -10,6 +10,10 @@ Importing this package registers, through verl's own registries:
     (:mod:`.vllm_rollout`);
   * the OmegaConf resolver ``${lrstab_asset:<model|train|val|root>}`` giving the
     absolute path of the tiny local assets (:mod:`.assets`);
+  * once verl imports ``verl.checkpoint_engine``: the ``gloo`` checkpoint engine
+    (``CheckpointEngineRegistry``), verl's weight sync between separate actor and rollout
+    pools on CPU (:mod:`.gloo_engine`), used only with
+    ``actor_rollout_ref.rollout.checkpoint_engine.backend=gloo``;
   * once verl imports its tool agent loop: the ``lrstab_scripted_tools`` agent loop
     (verl's ``register``), its tool parser and tool, a multi-turn rollout (:mod:`.agentic`).
 
@@ -57,6 +61,11 @@ def register() -> None:
     from .agentic import register_when_verl_loads
 
     register_when_verl_loads()
+    from verl_lrstab.glue.imports import when_imported
+
+    from .gloo_engine import register as register_gloo
+
+    when_imported("verl.checkpoint_engine.base", lambda module: register_gloo())
 
 
 register()

@@ -23,6 +23,48 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 
 
+#: verl's one-step-off-policy trainer on configs/cpu_demo.yaml: what verl's one_step_off_ppo_trainer.yaml adds to
+#: ppo_trainer (a rollout pool of its own, weights kept in place between syncs), with the CPU backend's gloo
+#: checkpoint engine for the weight sync between the pools (verl ships nccl there) and a fake GPU slot per pool.
+#: (cpu_demo.yaml sets hydra.searchpath, so it can only be the primary config: these travel as overrides.)
+ONE_STEP_OFF_MODULE = "verl.experimental.one_step_off_policy.main_ppo"
+ONE_STEP_OFF = [
+    "+rollout.nnodes=1", "+rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.rollout.free_cache_engine=false",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+    "trainer.use_v1=false",  # the one-step-off trainer is V0-shaped (DataProto batches)
+    "ray_kwargs.ray_init.num_cpus=16",  # OneStepTaskRunner asks for 10 CPU slots
+    "ray_kwargs.ray_init.num_gpus=2",
+]
+
+
+#: verl's fully-async trainer (a FullyAsyncTrainer and a FullyAsyncRollouter, Ray actors, fed through a message
+#: queue) on configs/cpu_demo.yaml: what verl's fully_async_ppo_trainer.yaml adds to ppo_trainer, the gloo engine for
+#: the weight sync, 4 prompts a trainer step (16 samples), one update a sync cycle; ``+rollout.total_rollout_steps``
+#: (prompts) sets the run's length. The trainer and the rollouter ask for 10 CPU slots each.
+FULLY_ASYNC_MODULE = "verl.experimental.fully_async_policy.fully_async_main"
+FULLY_ASYNC = [
+    "+rollout.nnodes=1", "+rollout.n_gpus_per_node=1", "+rollout.n=4",
+    "data.train_batch_size=0", "+data.gen_batch_size=1",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    # a trainer step's 16 samples must divide into micro-batches (cpu_demo's are 32)
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+    "trainer.use_v1=false",
+    "+async_training.staleness_threshold=1", "+async_training.trigger_parameter_sync_step=1",
+    "+async_training.require_batches=1", "+async_training.partial_rollout=true",
+    "+async_training.use_trainer_do_validate=false", "+async_training.use_dynamic_resource_scheduling=false",
+    "+async_training.dynamic_schedule_policy=default", "+async_training.dynamic_schedule_deactivate_ratio=0.3",
+    "+async_training.dynamic_schedule_enable_rebalance=true", "+async_training.concurrent_samples_per_replica=16",
+    "ray_kwargs.ray_init.num_cpus=32",
+    "ray_kwargs.ray_init.num_gpus=2",
+]
+
+
 def cpu_env(assets_dir: os.PathLike, metrics_path: os.PathLike, run_dir: os.PathLike, extra: Optional[dict] = None):
     """Environment for a CPU run: opt into the CPU platform and load the backend in every process.
 
@@ -116,6 +158,7 @@ def run_main_ppo(
     env: Optional[dict] = None,
     on_progress: Optional[Callable[[dict[int, dict]], None]] = None,
     poll_s: float = 1.0,
+    module: str = "verl.trainer.main_ppo",
 ) -> RunResult:
     """Run ``python -m verl.trainer.main_ppo --config-path <config_dir> --config-name <config_name> ...``.
 
@@ -131,6 +174,8 @@ def run_main_ppo(
         env: extra environment variables.
         on_progress: called with the metrics read so far, every ``poll_s`` seconds while it runs.
         poll_s: progress polling period.
+        module: verl's entry point (``verl.experimental.one_step_off_policy.main_ppo``,
+            ``verl.experimental.fully_async_policy.fully_async_main`` run other trainers).
 
     Returns:
         :class:`RunResult` (call ``.check()`` to raise on failure).
@@ -141,7 +186,7 @@ def run_main_ppo(
     if metrics_path.exists():
         metrics_path.unlink()
     cmd = [
-        sys.executable, "-m", "verl.trainer.main_ppo",
+        sys.executable, "-m", module,
         "--config-path", str(Path(config_dir).resolve()), "--config-name", config_name,
         f"hydra.run.dir={run_dir / 'hydra'}",
         *overrides,

@@ -28,7 +28,8 @@ def assets_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def main_ppo(tmp_path_factory, assets_dir):
-    """``main_ppo(name, overrides, metrics_name=..., env=...)`` -> a checked :class:`RunResult`.
+    """``main_ppo(name, overrides, metrics_name=..., env=..., module=...)`` -> a checked :class:`RunResult`
+    (``module``: verl's entry point, ``verl.trainer.main_ppo`` unless another trainer's).
 
     ``name`` is the run directory (checkpoints live there, so segments of one resumed run
     share it); a run already made with the same name and metrics file is returned as is.
@@ -36,7 +37,8 @@ def main_ppo(tmp_path_factory, assets_dir):
     root = tmp_path_factory.mktemp("e2e")
     cache: dict[tuple[str, str], RunResult] = {}
 
-    def run(name: str, overrides, metrics_name: str = "metrics.jsonl", env=None) -> RunResult:
+    def run(name: str, overrides, metrics_name: str = "metrics.jsonl", env=None,
+            module: str = "verl.trainer.main_ppo") -> RunResult:
         key = (name, metrics_name)
         if key not in cache:
             result = run_main_ppo(
@@ -46,6 +48,7 @@ def main_ppo(tmp_path_factory, assets_dir):
                 metrics_name=metrics_name,
                 timeout_s=RUN_TIMEOUT_S,
                 env=env,
+                module=module,
             )
             WALL_TIMES[f"{name}/{metrics_name}"] = result.wall_s
             cache[key] = result.check()

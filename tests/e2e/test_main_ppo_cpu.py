@@ -345,28 +345,40 @@ def test_other_schedulers_match_stock_verl(main_ppo, tmp_path_factory, sitecusto
             assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), (step, key)
 
 
-# -- 6. V1 colocate_async: the step tag through TransferQueue, staleness kept out of the detector ---------
+# -- 6. V1 colocate_async: the step tag through TransferQueue, the mismatch split by version lag ---------
 COLOCATE = TRAINER["v1"] + ["trainer.v1.trainer_mode=colocate_async",
                             "~trainer.v1.sampler.custom_sampler"]  # ContentOrderedReplayBuffer is sync-only
 
 
-def test_colocate_async_feeds_the_length_and_keeps_stale_mismatch_out_of_the_detector(main_ppo):
+def test_colocate_async_feeds_the_length_and_only_the_fresh_samples_mismatch(main_ppo):
     """One actor update per trainer step; some batches were sampled one policy version back.
 
-    The run itself shows the step tag's transport (a missing tag fails the update). The
-    mismatch figures are logged on every step, jump on the stale steps (they measure staleness
-    too, here with float32 on both sides), and never reach the detector.
+    The run itself shows the step tag's transport (a missing tag fails the update). The samples'
+    versions reach the worker (V1: in ``extra_fields``); ``mismatch/*`` are the fresh samples' (float32
+    both sides: ~1e-13) and the only KL fed, the stale ones are logged apart and measure staleness
+    (more than 1000 x the fresh k3), and ``mismatch/fresh_share`` agrees with verl's own staleness figures.
     """
     run = main_ppo("colocate-v1", SURGE + COLOCATE + ["trainer.total_training_steps=4"])
     assert sorted(run.metrics) == [1, 2, 3, 4]
-    staleness = series(run.metrics, "training/off_policy/trajectory_staleness/mean")
-    k3 = series(run.metrics, "actor/mismatch/k3")
-    assert set(k3) == set(run.metrics)
+    staleness = series(run.metrics, "training/off_policy/trajectory_staleness/max")
+    fresh_staleness = series(run.metrics, "training/off_policy/trajectory_staleness/min")
+    spans = series(run.metrics, "training/off_policy/trajectory_spans/max")
+    share = series(run.metrics, "actor/mismatch/fresh_share")
+    assert set(share) == set(run.metrics)
     assert any(v > 0 for v in staleness.values()), f"no stale batch in this run: {staleness}"
+    fresh_k3, stale_k3 = [], []
     for step, data in run.metrics.items():
         assert data["actor/lrstab/response_length"] == pytest.approx(data["response_length/mean"], rel=1e-9)
-        assert "actor/lrstab/mismatch_kl" not in data, step  # logged figures, never fed in an async mode
-        if staleness[step] == 0:
-            assert k3[step] < 1e-8, (step, k3[step])  # fresh: float32 both sides
-    stale = [k3[s] for s in k3 if staleness[s] > 0]
-    assert min(stale) > 1e3 * max(max(k3[s] for s in k3 if staleness[s] == 0), 1e-12), (k3, staleness)
+        if staleness[step] == 0 and spans[step] == 1:
+            assert share[step] == 1.0, step
+        if fresh_staleness[step] > 0:
+            assert share[step] == 0.0, step
+        if share[step] > 0:
+            fresh_k3.append(data["actor/mismatch/k3"])
+            assert data["actor/mismatch/k3"] < 1e-8, (step, data["actor/mismatch/k3"])  # fresh: float32 both sides
+            assert data["actor/lrstab/mismatch_kl"] == pytest.approx(data["actor/mismatch/k3"], rel=1e-12)
+        else:
+            assert "actor/mismatch/k3" not in data and "actor/lrstab/mismatch_kl" not in data, step
+        stale_k3 += [v for k, v in data.items() if k.startswith("actor/mismatch/stale/") and k.endswith("/k3")]
+    assert fresh_k3 and stale_k3, (share, staleness)
+    assert min(stale_k3) > 1e3 * max(max(fresh_k3), 1e-12), (fresh_k3, stale_k3)

@@ -24,11 +24,11 @@ import threading
 import weakref
 
 from verl_lrstab.config import OPTIONS_KEY
-from verl_lrstab.glue import nodes, trainers
+from verl_lrstab.glue import nodes, trainers, versions
 from verl_lrstab.glue.config_classes import length_surge_options
 from verl_lrstab.glue.failsafe import SCHEDULER_NAME
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
-from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError
+from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, VERSION_LAGS_KEY, GlueError
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -81,10 +81,12 @@ def check_run(config, require, trainer=None) -> bool:
     """
     global _length_surge_runs
     actor = config.actor_rollout_ref.actor
-    require("megatron" if actor.get("strategy") == "megatron" else "fsdp",
-            "v1" if config.trainer.get("use_v1", True) else "v0")
-    options = length_surge_options(actor.optim.get("length_surge"))
     cls = type(trainer) if trainer is not None else trainer_class(config)
+    # the trainer's own shape decides which wraps it needs (the one-step-off trainer is V0-shaped under any use_v1)
+    family = ("v1" if trainers._is_v1(cls) else "v0") if trainer is not None else \
+        ("v1" if config.trainer.get("use_v1", True) else "v0")
+    require("megatron" if actor.get("strategy") == "megatron" else "fsdp", family)
+    options = length_surge_options(actor.optim.get("length_surge"))
     is_async = run_is_async(config, cls)
     key = f"{OPTIONS_KEY}.trigger"
     if options.trigger != "length":
@@ -150,6 +152,8 @@ def make_v1_update_actor(original_fn):
         count = int(getattr(self, "parameter_sync_step", 1) or 1)
         index = int(getattr(self, "local_trigger_step", 0) or 0)
         _tag(batch.extra_info, [index, count, int(is_async), response_cap(self.config)])
+        if is_async:
+            _tag_lags(batch.extra_info, versions.lags_or_none(versions.v1_lags, self, batch, index))
         return original(self, *args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
@@ -169,7 +173,10 @@ def make_v0_update_actor(original_fn):
     def tag_then_update(original, self, *args, **kwargs):
         batch = argument((self,) + args, kwargs, 1, "batch")
         is_async = checked_async(self)
-        _tag(batch.meta_info, [0, 1, int(is_async), response_cap(self.config)])  # V0: one update per trainer step
+        index, count = versions.v0_position(self)  # V0: one update per trainer step; fully-async: a sync cycle's
+        _tag(batch.meta_info, [index, count, int(is_async), response_cap(self.config)])
+        if is_async:
+            _tag_lags(batch.meta_info, versions.lags_or_none(versions.v0_lags, self, batch))
         return original(self, *args, **kwargs)
 
     return dispatch(original_fn, lambda self, *a, **k: names_length_surge(self.config), tag_then_update)
@@ -180,6 +187,28 @@ def v0_trainer_checks(module, fn):
         *source_contains(fn, "batch_td = batch.to_tensordict()", "left_right_2_no_padding(batch_td)")
     yield "V0 RayPPOTrainer.__init__ keeps the config as self.config", *source_contains(
         module.RayPPOTrainer.__init__, "self.config = config")
+
+
+def one_step_off_checks(module, fn):
+    trainer = module.OneStepOffRayTrainer
+    yield "OneStepOffRayTrainer.__init__ keeps the config as self.config", *source_contains(
+        trainer.__init__, "self.config = config")
+    yield "OneStepOffRayTrainer syncs the weights under global_steps before the step's update", *source_contains(
+        trainer._fit_generate, "self._fit_update_weights()")
+    yield "OneStepOffRayTrainer.fit syncs the loaded weights before its first step", *source_contains(
+        trainer.fit, "self._load_checkpoint()", "self._fit_update_weights()", "self.global_steps += 1")
+
+
+def fully_async_checks(module, fn):
+    trainer = module.FullyAsyncTrainer.__ray_actor_class__
+    yield "FullyAsyncTrainer.__init__ keeps the config as self.config", *source_contains(
+        trainer.__init__, "self.config = config")
+    yield "FullyAsyncTrainer counts a sync cycle's updates in local_trigger_step from 1", *source_contains(
+        trainer.__init__, "self.local_trigger_step = 1", "self.trigger_parameter_sync_step = ")
+    yield "FullyAsyncTrainer's old-log-prob pass scores with the cycle's first weights", *source_contains(
+        trainer._compute_old_log_prob, "restore_model_from_cpu(1)")
+    yield "FullyAsyncTrainer advances current_param_version after a cycle's last update", *source_contains(
+        trainer._fit_update_local_step, "self.current_param_version += 1", "self.local_trigger_step = 1")
 
 
 def response_cap(config) -> int:
@@ -204,6 +233,12 @@ def _tag(info: dict, position: list) -> None:
     stats = _pop_pre_rs_stats()
     if stats is not None:
         info[PRE_RS_STATS_KEY] = stats
+
+
+def _tag_lags(info: dict, lags) -> None:
+    """An async trainer's version -> lag map, where verl hands it to the worker (none: the figures stay unsplit)."""
+    if lags is not None:
+        info[VERSION_LAGS_KEY] = lags
 
 
 def make_rollout_correction(original_fn):

@@ -86,6 +86,13 @@ def report_refusal_failure(target: str, cause: BaseException, where: str = "") -
                  "stock runs are unaffected.", SCHEDULER_NAME, target, verl_version(), cause, where or "there")
 
 
+def report_optional_failure(target: str, cause: BaseException, fallback: str) -> None:
+    """A wrap one trainer's runs need, not every run's, could not be installed: one ERROR saying what those runs get
+    (``fallback``); ``length_surge`` elsewhere and stock runs are not affected."""
+    logger.error("verl-lrstab: cannot use %s with verl %s: %r. verl's own code stays in place; %s. Other trainers "
+                 "and stock runs are unaffected.", target, verl_version(), cause, fallback)
+
+
 def failure_message() -> str:
     causes = "; ".join(f"{target}: {cause!r}" for target, cause in FAILURES)
     return (f"{OPTIM_KEY}={SCHEDULER_NAME} cannot be used: the verl-lrstab plugin failed to load or to wrap "

@@ -16,7 +16,7 @@ from verl_lrstab.glue.wraps import Wrap, dispatch
 
 SUPPORTED = (f"the actor ({OPTIM}) of the FSDP engine (strategy fsdp/fsdp2) and of the "
              "Megatron engine (strategy megatron, lr_decay_style) in verl's main_ppo, V0 and V1 (sync, "
-             "colocate_async, separate_async)")
+             "colocate_async, separate_async), and in verl's one-step-off-policy and fully-async trainers")
 
 
 class LengthSurgeNotSupported(ValueError):
@@ -92,14 +92,4 @@ WRAPS = [
                  "the SFT trainer (verl.trainer.sft_trainer)", _config_optim),
     refusal_wrap("verl.trainer.sft_trainer_ray", "SFTTrainer", "_build_config", ("self",), "optim.lr_scheduler_type",
                  "the SFT trainer (verl.trainer.sft_trainer_ray)", _config_optim),
-    refusal_wrap("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer.__ray_actor_class__",
-                 "__init__", ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"), ACTOR_KEY,
-                 "the fully-async trainer (verl.experimental.fully_async_policy)", _config_actor_optim),
-    # Its __init__ skips RayPPOTrainer.__init__ (the run's checks) and its rollout samples one policy
-    # version back; no test here runs it (it needs a separate rollout pool): refused rather than guessed.
-    refusal_wrap("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer", "__init__",
-                 ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"), ACTOR_KEY,
-                 "the one-step-off-policy trainer (verl.experimental.one_step_off_policy.ray_trainer."
-                 "OneStepOffRayTrainer: its rollout samples one policy version behind the trainer, and its "
-                 "__init__ skips RayPPOTrainer.__init__, where the run is checked)", _config_actor_optim),
 ]

@@ -17,6 +17,10 @@ from verl_lrstab.glue.failsafe import FAILURES, check_usable, report_failure
 from verl_lrstab.glue.imports import when_imported
 from verl_lrstab.glue.wraps import Wrap, apply, original, owner_of
 
+#: What a run of an async trainer whose run-check wrap cannot be installed gets (driver.checked_async).
+REFUSED_AT_FIRST_UPDATE = ("a length_surge run of {} is refused at its first actor update, before the batch reaches "
+                           "a worker (its run checks could not run)")
+
 WRAPS: list = [
     Wrap("verl.workers.config", None, "FSDPOptimizerConfig", None,
          lambda verl_cls: configs.make_config("LengthSurgeOptimizerConfig", verl_cls, require),
@@ -43,6 +47,19 @@ WRAPS: list = [
          lambda verl_fn: driver.make_trainer_init(verl_fn, require)),
     Wrap("verl.trainer.ppo.ray_trainer", "RayPPOTrainer", "_update_actor", ("self", "batch"),
          driver.make_v0_update_actor, driver.v0_trainer_checks),
+    # its __init__ skips RayPPOTrainer.__init__ (where a run is checked): the same checks at its own; not
+    # required: where it cannot be installed, the run is refused at its first _update_actor (driver.checked_async)
+    Wrap("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer", "__init__",
+         ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
+         lambda verl_fn: driver.make_trainer_init(verl_fn, require), driver.one_step_off_checks, required=False,
+         fallback=REFUSED_AT_FIRST_UPDATE.format("the one-step-off-policy trainer")),
+    # a Ray actor class: Ray builds the actor from the class it made at decoration (modified_class), whose
+    # __init__ is its own copy (Ray's tracing wrapper of verl's): wrapping __ray_actor_class__ would never run
+    Wrap("verl.experimental.fully_async_policy.fully_async_trainer",
+         "FullyAsyncTrainer.__ray_metadata__.modified_class",
+         "__init__", ("self", "config", "tokenizer", "role_worker_mapping", "resource_pool_manager"),
+         lambda verl_fn: driver.make_trainer_init(verl_fn, require), driver.fully_async_checks, required=False,
+         fallback=REFUSED_AT_FIRST_UPDATE.format("the fully-async trainer")),
     Wrap("verl.trainer.ppo.rollout_corr_helper", None, "compute_rollout_correction_and_add_to_batch",
          ("batch", "rollout_corr_config"), driver.make_rollout_correction, driver.rollout_correction_checks,
          also_in=("verl.trainer.ppo.v1.trainer_base",)),

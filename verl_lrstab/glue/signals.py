@@ -15,7 +15,7 @@ from typing import Iterable, NamedTuple, Optional
 
 import torch
 
-from verl_lrstab import mismatch
+from verl_lrstab import mismatch, version_split
 from verl_lrstab.collective import Part, reduce_or_none
 from verl_lrstab.glue.wraps import Check, VerlShapeError
 
@@ -157,9 +157,11 @@ class BatchStats(NamedTuple):
     mismatch: Optional[torch.Tensor]  # mismatch.STAT_FIELDS
     bypass: bool = False  # the mismatch shows verl's bypass mode (old_log_probs := rollout_log_probs)
     model_tokens: Optional[float] = None  # the model's own tokens (response_mask) of the responses ``length`` counts
+    split: Optional[torch.Tensor] = None  # the mismatch sums by version lag (version_split), async trainers only
 
 
-def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_stats=None) -> BatchStats:
+def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_stats=None,
+                  version_lags: Optional[dict] = None) -> BatchStats:
     """The length, score and mismatch figures of the global batch, reduced in one collective over ``dp_group``.
 
     Every rank of the group calls it, once per actor update, before verl's update. Each figure
@@ -174,6 +176,9 @@ def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_
         pre_rejection_stats: the mismatch stats the driver measured over the whole batch before
             rejection sampling overwrote ``response_mask`` (already global): they win over the
             worker's own measurement, and do not travel.
+        version_lags: an async trainer's map of weight version -> lag (the driver's tag, the same on
+            every rank): the mismatch sums are measured per lag group (:mod:`verl_lrstab.version_split`)
+            from the samples' versions (:func:`sample_versions`), ``mismatch`` is their sum.
 
     ``model_tokens``: the sum of :func:`model_token_counts` (with ``pre_rejection_stats``: of the mask
     before rejection, :func:`_model_tokens_before_rejection`), the responses counted by ``length``.
@@ -186,11 +191,17 @@ def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_
     width = 2 if cap is None else 3
     parts = [Part(_local_length(data, cap), width), Part(_local_score(data), 2), Part(_local_model_tokens(data), 1)]
     has_log_probs = "rollout_log_probs" in data.keys() and "old_log_probs" in data.keys()
-    if pre_rejection_stats is None and has_log_probs:
+    splitting = version_lags is not None and pre_rejection_stats is None and has_log_probs
+    if splitting and version_lags is not None:  # (the None test narrows its type)
+        parts.append(Part(_local_split(data, version_lags), version_split.SIZE, n_max=version_split.N_MAX))
+    elif pre_rejection_stats is None and has_log_probs:
         parts.append(Part(_local_mismatch(data), len(mismatch.STAT_FIELDS), n_max=1))
     length, score, model, *measured = reduce_or_none(parts, dp_group)
     stats: Optional[torch.Tensor]
-    if pre_rejection_stats is not None:
+    split = measured[0] if splitting else None
+    if splitting:
+        stats = None if split is None else version_split.whole_stats(split)
+    elif pre_rejection_stats is not None:
         stats = torch.tensor(list(pre_rejection_stats), dtype=torch.float64)
         model = _model_tokens_before_rejection(stats) if model is not None else None
     else:
@@ -198,7 +209,7 @@ def measure_batch(data, dp_group=None, cap: Optional[int] = None, pre_rejection_
         if stats is None:
             mismatch.warn_once("missing")
     return BatchStats(None if length is None else length.tolist(), None if score is None else score.tolist(), stats,
-                      shows_bypass_mode(stats), None if model is None else model.item())
+                      shows_bypass_mode(stats), None if model is None else model.item(), split)
 
 
 def _model_tokens_before_rejection(stats: torch.Tensor) -> torch.Tensor:
@@ -262,6 +273,40 @@ def _local_score(data) -> Optional[torch.Tensor]:
         if not _score_missing_warned:
             _score_missing_warned = True
             logger.warning("verl_lrstab: no score for the surge detector (%s); it runs on the length alone", exc)
+        return None
+
+
+def sample_versions(data) -> Optional[tuple[list, list]]:
+    """Per sample, the first and last weight version it was sampled with (verl's ``min_global_steps`` /
+    ``max_global_steps``): non-tensor fields of the batch (V0-layout trainers: the agent loop's
+    ``non_tensor_batch``), or inside its ``extra_fields`` (V1). None when the batch carries neither."""
+    keys = data.keys()
+    if "min_global_steps" in keys and "max_global_steps" in keys:
+        return _as_list(data.get("min_global_steps")), _as_list(data.get("max_global_steps"))
+    if "extra_fields" in keys:
+        fields = [f if isinstance(f, dict) else {} for f in _as_list(data.get("extra_fields"))]
+        return [f.get("min_global_steps") for f in fields], [f.get("max_global_steps") for f in fields]
+    return None
+
+
+def _as_list(value) -> list:
+    value = value.tolist() if hasattr(value, "tolist") else list(value)
+    return [v.item() if hasattr(v, "item") else v for v in value]
+
+
+def _local_split(data, lags: dict) -> Optional[torch.Tensor]:
+    try:
+        versions = sample_versions(data)
+        n = int(data["response_mask"].size(0))
+        if versions is None:  # every sample unknown: logged apart, none fed
+            version_split.warn_no_versions(list(data.keys()))
+            versions = ([None] * n, [None] * n)
+        groups = version_split.group_ids(*versions, lags)
+        return version_split.split_stats(data["old_log_probs"], data["rollout_log_probs"], data["response_mask"],
+                                         groups)
+    except Exception as exc:  # noqa: BLE001 - never fail a training step for a metric
+        logger.warning("verl_lrstab: could not split the mismatch figures by version lag (%s); none logged this "
+                       "step", exc)
         return None
 
 

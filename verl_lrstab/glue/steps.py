@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from verl_lrstab import mismatch
+from verl_lrstab import mismatch, version_split
 from verl_lrstab.glue import signals
 from verl_lrstab.glue.cosignals import CosignalSums
 from verl_lrstab.schedule import FedSchedule, UpdateFigures
@@ -34,6 +34,7 @@ logger = logging.getLogger("verl_lrstab")
 #: Non-tensor keys the driver-side glue adds to the actor batch (the worker pops them).
 STEP_POSITION_KEY = "lrstab_step_position"  # [index of the update in the step, updates per step, async, response cap]
 PRE_RS_STATS_KEY = "lrstab_pre_rs_mismatch_stats"  # mismatch stats over the tokens before rejection sampling
+VERSION_LAGS_KEY = "lrstab_version_lags"  # async trainers: [version, lag, version, lag, ...] (glue/versions.py)
 
 #: The step's mean number of the model's own tokens per response (``response_mask``), as logged (``actor/`` added
 #: by verl's driver), beside verl's ``response_length/mean`` (every response token, tool output included).
@@ -95,6 +96,8 @@ class StepState:
         self.score_valid = True
         self.mismatch: Optional[torch.Tensor] = None  # stats tensor (sums, then max) or None
         self.mismatch_valid = True
+        self.split: Optional[torch.Tensor] = None  # the step's mismatch sums by version lag (async trainers)
+        self.split_valid = True
         self.bypass = False  # the step's batches show verl's bypass mode
         self.logged: dict = {}  # the step's mismatch/* and lrstab/model_tokens figures, logged on its last update
         self.length_logged: dict = {}  # the step's lrstab/model_tokens (kept when bypass mode's mismatch comes)
@@ -121,6 +124,14 @@ class StepState:
         self.bypass = stats.bypass
         if not stats.bypass:  # bypass mode: 0 by construction, the first mini-batch's come instead
             self.add_mismatch(stats.mismatch)
+            self.add_split(stats.split)
+
+    def add_split(self, split: Optional[torch.Tensor]) -> None:
+        """One update's mismatch sums by version lag; an update without them leaves the step unsplit."""
+        if split is None:
+            self.split_valid = False
+        elif self.split_valid:
+            self.split = split.clone() if self.split is None else version_split.combine(self.split, split)
 
     def add_mismatch(self, stats: Optional[torch.Tensor]) -> None:
         if stats is None:
@@ -150,12 +161,25 @@ class StepState:
         ratio, None: unavailable; the mismatch figure ``mismatch_metric``) and the step's ``mismatch/*`` figures
         (none in bypass mode: they come later, :meth:`take_first_mini_batch`).
 
-        In the async modes the rollout's log-probs come from older weights: the figures mix engine
-        mismatch with policy staleness, so they are logged but never reach the detector (docs/integration.md).
+        In the async modes the rollout's log-probs may come from older weights: the figures mix engine
+        mismatch with policy staleness. Where the samples' versions split them (:attr:`split`), ``mismatch/*``
+        are the fresh samples' (lag 0, not partial: the engine's own mismatch) and feed the detector, the stale
+        ones are logged apart (``mismatch/stale/<lag>/*``, ``mismatch/fresh_share``), and a step without a fresh
+        sample feeds none (said once); without versions they are logged but never reach the detector
+        (docs/integration.md, docs/mismatch.md).
         The clip ratio counts the responses whose full length (every response token, the budget verl's
         rollout caps) reached the cap, whichever length is read (docs/agentic.md).
         """
-        figures = None if self.bypass else self.mismatch_figures()
+        split = self.split if self.split_valid and not self.bypass else None
+        if split is not None:
+            figures = version_split.split_figures(split) or None
+            fed = figures is not None and version_split.fresh_stats(split) is not None
+            if not fed:
+                version_split.warn_no_fresh()
+            kl = figures.get(f"mismatch/{mismatch_metric}") if fed and figures else None
+        else:
+            figures = None if self.bypass else self.mismatch_figures()
+            kl = None if (figures is None or is_async) else figures.get(f"mismatch/{mismatch_metric}")
         total, count = self.length
         at_cap, responses = self.at_cap
         score, scored = self.score
@@ -165,7 +189,7 @@ class StepState:
             measured = measured and self.model_tokens_valid
         return UpdateFigures(
             response_length=total / count if measured else math.nan,
-            mismatch_kl=None if (figures is None or is_async) else figures.get(f"mismatch/{mismatch_metric}"),
+            mismatch_kl=kl,
             score=score / scored if self.score_valid and scored > 0 else None,
             clip_ratio=at_cap / responses if self.clip_valid and not self.length_unmeasured and responses > 0 else None,
         ), figures

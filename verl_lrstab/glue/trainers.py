@@ -12,7 +12,7 @@ nearest of verl's own classes in its MRO (a user's subclass of ``PPOTrainerSync`
 A V1 trainer under any mode name but ``sync`` is async whatever its class: verl's ``PPOTrainer``
 builds the asynchronous replay buffer (``ReplayBufferAsync``) for every other name. A V1 class
 deriving from none of verl's modes (``PPOTrainer`` itself) is async: nothing says it is not.
-Trainers refused outright (``OneStepOffRayTrainer``, ``FullyAsyncTrainer``) are in :mod:`.refusals`.
+The fully-async trainer (``FullyAsyncTrainer``) is refused outright, in :mod:`.refusals`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SYNC, ASYNC = "sync", "async"
 VERL_TRAINERS = {
     ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer"): SYNC,  # V0 (main_ppo with trainer.use_v1=false)
     ("verl.experimental.separation.ray_trainer", "SeparateRayPPOTrainer"): SYNC,  # V0 base of the two below
-    ("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer"): ASYNC,  # refused (refusals)
+    ("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer"): ASYNC,  # served (versions.py)
     ("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer"): ASYNC,  # refused
     ("verl.trainer.ppo.v1.trainer_sync", "PPOTrainerSync"): SYNC,  # V1 trainer_mode sync
     ("verl.trainer.ppo.v1.trainer_colocate_async", "PPOTrainerColocateAsync"): ASYNC,
@@ -58,5 +58,6 @@ def _is_v1(cls: type) -> bool:
 
 
 def describe(cls: type) -> str:
-    """``module.Class`` of a trainer class, for messages."""
+    """``module.Class`` of a trainer class, for messages (a Ray actor's: the class it was made from)."""
+    cls = getattr(cls, "__ray_actor_class__", cls)
     return f"{cls.__module__}.{cls.__qualname__}"

@@ -21,7 +21,8 @@ import logging
 
 from verl_lrstab.config import OPTIONS_KEY
 from verl_lrstab.glue import cosignals, signals
-from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, GlueError, StepPosition, run_update, state_of
+from verl_lrstab.glue.steps import (PRE_RS_STATS_KEY, STEP_POSITION_KEY, VERSION_LAGS_KEY, GlueError, StepPosition,
+                                    run_update, state_of)
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
 from verl_lrstab.schedule import FedSchedule
 
@@ -55,11 +56,12 @@ def _train_mini_batch(original_fn, self, *args, **kwargs):
     scheduler = self.engine.lr_scheduler
     position = step_position(tu.pop(data, key=STEP_POSITION_KEY, default=None))
     pre_rs = tu.pop(data, key=PRE_RS_STATS_KEY, default=None)
+    lags = version_lags(tu.pop(data, key=VERSION_LAGS_KEY, default=None))
     if scheduler.config.trigger != "length" and "rollout_log_probs" not in data.keys():
         raise GlueError(f"{OPTIONS_KEY}.trigger={scheduler.config.trigger!r} needs the rollout engine's log-probs, "
                         "and the actor batch has no 'rollout_log_probs': set "
                         "actor_rollout_ref.rollout.calculate_log_probs=true (or trigger: length)")
-    batch = signals.measure_batch(data, self.engine.get_data_parallel_group(), position.cap or None, pre_rs)
+    batch = signals.measure_batch(data, self.engine.get_data_parallel_group(), position.cap or None, pre_rs, lags)
     output, state = run_update(self, data, scheduler, batch, position, lambda: original_fn(self, *args, **kwargs))
     return cosignals.finish_update(scheduler, state.cosignals, output, position.last, state.logged)
 
@@ -78,6 +80,16 @@ def step_position(value) -> StepPosition:
     if not 0 <= index < count or cap < 0:
         raise ValueError(f"verl_lrstab: bad trainer-step position {list(value)!r}")
     return StepPosition(index, count, bool(is_async), cap)
+
+
+def version_lags(value):
+    """The driver's ``[version, lag, ...]`` tag as a dict; None without one (a sync trainer: nothing to split)."""
+    if value is None:
+        return None
+    values = [int(v) for v in value]
+    if len(values) % 2:
+        raise ValueError(f"verl_lrstab: bad version-lag tag {list(value)!r}")
+    return dict(zip(values[0::2], values[1::2]))
 
 
 def make_infer_batch(original_fn):

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from verl_lrstab.glue.failsafe import report_failure, report_refusal_failure
+from verl_lrstab.glue.failsafe import report_failure, report_optional_failure, report_refusal_failure
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -45,6 +45,8 @@ class Wrap:
         required: a ``length_surge`` run cannot work without it (refusals are not required: one
             that cannot be installed is reported and disabled, ``length_surge`` stays usable).
         where: what a refusal refuses, for the message when it cannot be installed.
+        fallback: for a wrap that is not required and not a refusal (an async trainer's run checks): what
+            happens to a length_surge run when it cannot be installed, for that message.
     """
 
     module: str
@@ -56,6 +58,7 @@ class Wrap:
     also_in: tuple = ()
     required: bool = True
     where: str = ""
+    fallback: str = ""
 
     @property
     def target(self) -> str:
@@ -90,6 +93,8 @@ def apply(wrap: Wrap, module) -> bool:
     except Exception as exc:  # noqa: BLE001 - never break verl's import; report and refuse length_surge
         if wrap.required:
             report_failure(wrap.target, exc)
+        elif wrap.fallback:  # one trainer's checks: that trainer's runs take the fallback, the others are untouched
+            report_optional_failure(wrap.target, exc, wrap.fallback)
         else:  # a refusal: only that refusal is lost
             report_refusal_failure(wrap.target, exc, wrap.where)
         return False

@@ -1,0 +1,130 @@
+"""End-to-end: verl 0.9.1's real fully-async trainer (``verl.experimental.fully_async_policy.fully_async_main``: a
+``FullyAsyncTrainer`` and a ``FullyAsyncRollouter``, Ray actors, fed through verl's message queue) on CPU with
+``lr_scheduler_type=length_surge``: cpu_demo.yaml plus ``verl_lrstab_cpu.launch.FULLY_ASYNC`` (the weight sync
+through the CPU backend's ``gloo`` checkpoint engine; 4 prompts x 4 samples a trainer step, one update a sync cycle).
+
+verl logs a sync cycle's aggregated metrics at the next cycle's end, under the version it then holds (the
+rows' ``training/global_step`` is the update they hold), does not log the last cycle's with ``test_freq`` <= 0,
+and otherwise logs it under the label of the row before: each row here is one update, read from the raw lines,
+``training/global_step`` names it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_main_ppo_cpu import LR0, SURGE, fresh_scheduler, step_as_logged
+from verl_lrstab_cpu.launch import FULLY_ASYNC, FULLY_ASYNC_MODULE
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = 24  # +rollout.total_rollout_steps: 6 trainer steps of 4 prompts
+
+
+def update_rows(run) -> dict:
+    """``{update: its logged metrics}``, from the raw lines: verl's last flush of a run logs under the step label
+    of the row before it (both lines are in the file; a view merged by step keeps one)."""
+    rows = {}
+    for line in run.metrics_path.read_text().splitlines():
+        data = json.loads(line)["data"]
+        if "actor/lr" in data:
+            rows[int(data["training/global_step"])] = data
+    assert rows, "no actor update was logged"
+    return rows
+
+
+def fully_async(main_ppo, name: str, staleness: float, prompts: int = PROMPTS, extra=()):
+    run = main_ppo(name, FULLY_ASYNC + SURGE + [f"++async_training.staleness_threshold={staleness}",
+                                                f"+rollout.total_rollout_steps={prompts}", "trainer.test_freq=-1",
+                                                *extra], module=FULLY_ASYNC_MODULE)
+    return update_rows(run)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_fully_async_feeds_the_length_and_only_the_fresh_samples_mismatch(main_ppo, staleness):
+    rows = fully_async(main_ppo, f"fully-async-s{staleness}", staleness)
+    assert sorted(rows) == list(range(1, len(rows) + 1)) and len(rows) >= 3, sorted(rows)
+    replayed = fresh_scheduler()
+    fresh_k3, stale_k3 = [], []
+    for step in sorted(rows):
+        data = rows[step]
+        assert data["actor/lrstab/response_length"] == pytest.approx(data["response_length/mean"], rel=1e-9), step
+        step_as_logged(replayed, data)  # every logged lrstab/* figure is what the package makes of the feed
+        assert data["actor/lr"] == pytest.approx(replayed.get_last_lr()[0], rel=1e-12), step
+        share = data["actor/mismatch/fresh_share"]
+        if share > 0:
+            fresh_k3.append(data["actor/mismatch/k3"])
+            assert data["actor/lrstab/mismatch_kl"] == data["actor/mismatch/k3"], step
+        else:
+            assert "actor/mismatch/k3" not in data and "actor/lrstab/mismatch_kl" not in data, step
+        stale_k3 += [v for k, v in data.items() if k.startswith("actor/mismatch/stale/") and k.endswith("/k3")]
+    assert rows[1]["actor/mismatch/fresh_share"] == 1.0  # the first update trains on the weights synced at start
+    assert fresh_k3 and max(fresh_k3) < 1e-8, fresh_k3  # float32 both sides: the engine agrees to rounding
+    if staleness == 1:
+        assert stale_k3 and min(stale_k3) > 1e3 * max(max(fresh_k3), 1e-12), (fresh_k3, stale_k3)
+    assert replayed.get_last_lr()[0] == LR0  # a few steps: no surge yet
+
+
+N_STEPS, RESUME_AT, BATCH = 26, 20, 8  # the resumed pair: 8 prompts a step (as cpu_demo's other runs)
+
+
+@pytest.mark.slow  # two segments of a 26-step run
+def test_fully_async_surge_decays_the_lr_as_a_replay_and_resumes_the_schedule_exactly(main_ppo):
+    from pathlib import Path
+
+    import torch
+
+    from test_main_ppo_cpu import same
+
+    # test_freq above the run's length: verl then logs the last cycle too (and never validates)
+    base = FULLY_ASYNC + SURGE + ["++async_training.staleness_threshold=1", "trainer.test_freq=1000",
+                                  f"actor_rollout_ref.actor.ppo_mini_batch_size={BATCH}"]
+    first = main_ppo("fully-async-resume", base + [f"+rollout.total_rollout_steps={BATCH * RESUME_AT}",
+                                                   f"trainer.save_freq={RESUME_AT}"],
+                     metrics_name="segment1.jsonl", module=FULLY_ASYNC_MODULE)
+    second = main_ppo("fully-async-resume", base + [f"+rollout.total_rollout_steps={BATCH * N_STEPS}",
+                                                    "trainer.resume_mode=auto"],
+                      metrics_name="segment2.jsonl", module=FULLY_ASYNC_MODULE)
+    rows1, rows2 = update_rows(first), update_rows(second)
+    assert sorted(rows1) == list(range(1, RESUME_AT + 1)), sorted(rows1)
+    # verl's resume sets global_steps to the checkpoint's version + 1, then its fit adds 1: the resumed updates
+    # are labelled from RESUME_AT + 2 (the scheduler counts its own updates: RESUME_AT + 1 on)
+    resumed = [rows2[k] for k in sorted(rows2)]
+    assert len(resumed) == N_STEPS - RESUME_AT, sorted(rows2)
+    replayed = fresh_scheduler()
+    for step in range(1, RESUME_AT + 1):
+        step_as_logged(replayed, rows1[step])
+        assert rows1[step]["actor/lr"] == pytest.approx(replayed.get_last_lr()[0], rel=1e-12), step
+    ckpt = sorted(Path(first.metrics_path.parent, "checkpoints", f"global_step_{RESUME_AT}").rglob(
+        "extra_state_world_size_*_rank_0.pt"))
+    assert len(ckpt) == 1, ckpt
+    saved = torch.load(ckpt[0], weights_only=False)["lr_scheduler"]
+    assert same(saved, replayed.state_dict()), (saved, replayed.state_dict())
+    for step, data in enumerate(resumed, RESUME_AT + 1):
+        step_as_logged(replayed, data)
+        assert data["actor/lr"] == pytest.approx(replayed.get_last_lr()[0], rel=1e-12), step
+        for key, value in replayed.metrics().items():
+            assert data[f"actor/{key}"] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, key)
+    assert resumed[0]["actor/mismatch/fresh_share"] == 1.0  # the first resumed update: the weights synced at start
+    assert replayed.surge_step is not None and replayed.get_last_lr()[0] < LR0, "no surge, no decay"
+
+
+@pytest.mark.slow  # two more runs
+def test_a_stock_fully_async_run_is_the_same_with_the_plugin_and_without(main_ppo):
+    """constant LR, staleness 0 (the rollouter samples each version's batch on that version: no timing in the
+    data), the verl-lrstab plugin loaded vs disabled (VERL_USE_EXTERNAL_PLUGINS=none): the same rows and numbers."""
+    overrides = FULLY_ASYNC + ["++async_training.staleness_threshold=0", "+rollout.total_rollout_steps=16",
+                               "trainer.test_freq=-1", "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
+                               "~actor_rollout_ref.actor.optim.length_surge"]
+    with_plugin = update_rows(main_ppo("fully-async-stock-plugin", overrides, module=FULLY_ASYNC_MODULE))
+    stock = update_rows(main_ppo("fully-async-stock-none", overrides, module=FULLY_ASYNC_MODULE,
+                                 env={"VERL_USE_EXTERNAL_PLUGINS": "none"}))
+    assert sorted(with_plugin) == sorted(stock) and len(stock) >= 2, (sorted(with_plugin), sorted(stock))
+    for step in stock:
+        a, b = with_plugin[step], stock[step]
+        assert not [k for k in (*a, *b) if k.startswith(("actor/lrstab/", "actor/mismatch/"))]
+        assert set(a) == set(b), set(a) ^ set(b)
+        for key in ("actor/lr", "actor/grad_norm", "response_length/mean", "critic/score/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), (step, key)
