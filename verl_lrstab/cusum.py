@@ -258,8 +258,7 @@ class CusumDetector:
         if len(rows.log) >= LEVEL_STEPS:  # a level is a median of 5 rows: one long first row is none
             rows.high.append(_row(step, median(v for _, v in rows.log[-LEVEL_STEPS:])))
         self._prune(step)
-        self._measure(step)
-        if self._hold_warmup(step):
+        if not self._measure(step):
             return False
         if len(self.surge_steps) >= self.max_surges:
             return False
@@ -275,24 +274,25 @@ class CusumDetector:
             rows.log, rows.high = [], []  # a later surge is measured against the post-surge level
         return True
 
-    def _measure(self, step: int) -> None:
-        """Level, baseline, noise and CUSUM of ``step`` (NaN while the warmup hold stands)."""
+    def _measure(self, step: int) -> bool:
+        """Level, baseline, noise and CUSUM of ``step``; False (the baseline NaN) while the warmup hold stands."""
         log = self.rows.log
         spikes = self._spikes()
         late = [(s, v) for s, v in log if s > self.skip_first_steps and s not in spikes]
         recent = [v for s, v in late if s > step - LEVEL_STEPS]
         if not late:
-            return
+            return False
         self.level = math.exp(median(recent if len(recent) >= FAST_ROWS else [v for _, v in late[-FAST_ROWS:]]))
         if self._hold_warmup(step):
             self.baseline = self.ratio = self.noise = _NAN
-            return
+            return False
         eligible = [r for r in log if self.skip_first_steps < r[0] <= step - self.lag]
         base = _window(eligible, step - self.lag - self.span, step)
         b = median(base)
         self.noise = max(_scale(base), self.noise_floor)
         self.baseline, self.ratio = math.exp(b), self.level / math.exp(b)
         self._cusum = max(0.0, self._cusum + (log[-1][1] - b) / self.noise - self.drift)
+        return True
 
     def _fire(self, step: int) -> Optional[str]:
         """Arm, expire or decide the alarm of ``step``; the way that fired, or None."""
@@ -402,8 +402,9 @@ class CusumDetector:
 
     def _score_z(self, step: int) -> Optional[float]:
         """The score's level now (its last LEVEL_STEPS steps, at least LEVEL_STEPS observations) against its
-        references, in noise units: the lower of the two (None: no score to compare). The score of a one-step length spike is left out, as the
-        spike is (its dip is that batch's composition: long answers are more often wrong or cut off)."""
+        references, in noise units: the lower of the two (None: no score to compare). The score of a one-step
+        length spike is left out, as the spike is (its dip is that batch's composition: long answers are more
+        often wrong or cut off)."""
         spikes = self._spikes()
         rows = [r for r in self.rows.score if r[0] not in spikes]
         refs = self._score_refs(step, rows)
