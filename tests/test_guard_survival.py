@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from test_guard_supervisor import Run, wait_for
+from test_guard_supervisor import Run, alive, wait_for
 from verl_lrstab.guard.metrics import MetricsFile
 from verl_lrstab.guard.supervisor import Guard
 from verl_lrstab.runs import read_metrics
@@ -65,15 +65,7 @@ def test_a_read_error_that_lasts_stops_verl_and_ends_with_status_5(tmp_path, mon
     failed = run.events()[-1]
     assert failed["event"] == "failed" and failed["operation"] == "read verl's metrics" and "(EIO)" in failed["error"]
     pids = [int(p) for p in (tmp_path / "pids.txt").read_text().split()]
-    assert not any(os.path.exists(f"/proc/{p}/environ") and _is_launch(p) for p in pids)  # verl was stopped
-
-
-def _is_launch(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not any(os.path.exists(f"/proc/{p}/environ") and alive(p) for p in pids)  # verl was stopped
 
 
 @pytest.mark.parametrize("how", ["renamed", "replaced"])
