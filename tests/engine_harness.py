@@ -130,7 +130,7 @@ def actor_rollout_ref_config(model_path: str, scheduler: str, world_size: int, m
     a = "actor_rollout_ref"
     overrides = [
         f"{a}.model.path={model_path}",
-        # CPU_PATH.md: no flash-attn, FSDP2 only, float32, no torch.compile
+        # as configs/cpu_demo.yaml: no flash-attn on CPU, FSDP2 (FSDP1 needs GPU tensors), float32, no torch.compile
         f"{a}.model.use_remove_padding=False",
         f"+{a}.model.override_config.attn_implementation=sdpa",
         f"{a}.model.enable_gradient_checkpointing=False",

@@ -1,6 +1,6 @@
 """Test-only: run megatron-core's CUDA code paths on a CPU (gloo, one process).
 
-megatron-core has no CPU mode (``shared/docs/MEGATRON_CPU.md``): it calls
+megatron-core has no CPU mode (docs/megatron.md): it calls
 ``torch.cuda.current_device()``, allocates with ``device='cuda'``, checks
 ``tensor.type() == 'torch.cuda.FloatTensor'`` and keeps a CUDA RNG tracker. :func:`cuda_on_cpu`
 maps these to the CPU for the duration of a test: a ``TorchFunctionMode`` rewrites every CUDA

@@ -48,7 +48,7 @@ def actor_rollout_ref_config(model_path: str, scheduler: str, total_steps: int, 
         # the mbridge package (megatron-bridge 0.5.2, verl's default, is not on PyPI)
         f"{a}.actor.megatron.vanilla_mbridge=True",
         f"{a}.actor.megatron.sequence_parallel=False",
-        # MEGATRON_CPU.md: the DistributedOptimizer's resume needs TE/Apex (torch's AdamW path asserts)
+        # docs/megatron.md: the DistributedOptimizer's resume needs TE/Apex (torch's AdamW path asserts)
         f"{a}.actor.megatron.use_distributed_optimizer=False",
         f"+{a}.actor.megatron.override_transformer_config.masked_softmax_fusion=False",
         f"+{a}.actor.megatron.override_transformer_config.hidden_dropout=0.0",

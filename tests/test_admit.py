@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, calibrated_budget, drift_ratio, judge, report_json,
                                report_table)
 from verl_lrstab.config_checks import Finding
+from verl_lrstab.runs import load_run, metric_series
 
 
 def steps(k3s, **other):
@@ -155,3 +157,21 @@ def test_the_manuals_gpu_example_composes_in_verls_config():
                              + NO_UPDATE, Path.cwd())
         assert cfg.actor_rollout_ref.rollout.dtype == "bfloat16" and cfg.actor_rollout_ref.actor.optim.lr == 0.0
         assert cfg.actor_rollout_ref.rollout.calculate_log_probs is True
+
+
+REAL = Path(__file__).resolve().parents[1] / "scripts" / "research" / "traces" / "real"
+
+
+def test_the_default_budget_is_below_every_step_of_the_public_collapsing_runs():
+    # docs/method.md: the two arms of the Qwen3-1.7B mismatch study that collapsed (the sampler's log-probs as
+    # PPO's old ones), their k3 before and inside the judged surge window (EXPECT.txt), to two figures
+    windows = dict(line.split() for line in (REAL / "EXPECT.txt").read_text().splitlines()
+                   if line.strip() and not line.startswith("#"))
+    for name, before, inside in (("akna13_nt_vllmold", 6.4e-4, 1.0e-3), ("akna13_nt_vllmold_s1", 6.9e-4, 1.2e-3)):
+        lo, hi = map(int, windows[name].split("-"))
+        k3 = metric_series(load_run(REAL / f"{name}.csv"), "mismatch_kl_k3")
+        assert round(float(k3[k3.index < lo].median()), 5) == before
+        assert round(float(k3[(k3.index >= lo) & (k3.index <= hi)].median()), 4) == inside
+        assert k3[k3.index <= hi].min() > DEFAULT_BUDGET_K3, name
+    for name in ("akna13_nt_fp16", "akna13_nt_fp16_s1", "akna13_th_fp16"):  # the arms that stayed healthy in FP16
+        assert metric_series(load_run(REAL / f"{name}.csv"), "mismatch_kl_k3").median() < DEFAULT_BUDGET_K3 / 10

@@ -61,7 +61,7 @@ def test_paper_example_through_the_installed_console_script(verl_run):
     assert scale[1] == scale[197] == 1.0
     assert scale[198] == scale[395] == 0.5
     assert scale[396] == scale[593] == 0.25
-    # METHOD.md's example says "0.1 (the floor) from 594", but its own formula gives
+    # the write-ups' example (docs/method.md) says "0.1 (the floor) from 594", but its own formula gives
     # max(0.1, 0.5 ** 3) = 0.125 there; the floor comes at 792 (4 x 198).
     assert scale[594] == 0.125 and scale[792] == scale[800] == 0.1
     assert all(scale[s] == paper_schedule(s) for s in out["steps"])

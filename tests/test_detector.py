@@ -446,7 +446,7 @@ def test_cusum_without_mismatch_kl(cls):
 
 
 def _paper_like(seed: int, rise_steps: int):
-    """METHOD.md's runs: ~1000 tokens with 8 % noise and slow drift, then 3.5x from step 101 over
+    """The paper's runs (docs/method.md): ~1000 tokens with 8 % noise and slow drift, then 3.5x from step 101 over
     ``rise_steps`` steps, while the score keeps RISING (accuracy improving through the surge)."""
     rng = random.Random(seed)
     lengths, score = [], []

@@ -7,7 +7,7 @@ their own LR-0 runs.
 
 The default budget is a median k3 of 5e-4 per token: below the smallest k3 of the public
 collapsing runs this method is about (6e-4 to 1.2e-3, the Qwen3-1.7B mismatch study in
-METHOD.md), so a candidate over it is where those runs were.
+docs/method.md), so a candidate over it is where those runs were.
 """
 
 from __future__ import annotations

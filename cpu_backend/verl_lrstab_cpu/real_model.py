@@ -299,7 +299,7 @@ def build_real_assets(root: Optional[os.PathLike] = None, force: bool = False, v
 
 
 # ---------------------------------------------------------------- main_ppo on it
-DEFAULT_LR = 5e-6  # a pretrained model's (1e-6..1e-5); the tiny model's 5e-4 wrecks it (REAL_MODEL.md)
+DEFAULT_LR = 5e-6  # a pretrained model's (1e-6..1e-5); at the tiny model's 5e-4 its responses hit the cap by step 2
 MAX_RESPONSE_TOKENS = 256
 MICRO_BATCH = 4  # 32 (the tiny demo's) runs out of host memory: fp32 logits over a 49k vocabulary
 
