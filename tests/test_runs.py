@@ -104,12 +104,10 @@ def test_reads_csv_with_comments_and_wandb_columns(tmp_path):
     assert df.loc[3, "actor/lr"] == pytest.approx(5e-7)
 
 
-def test_reads_the_shared_sparse_traces():
+def test_reads_the_sparse_real_traces():
     from pathlib import Path
 
-    p = Path(__file__).resolve().parents[2] / "shared" / "traces" / "fleet_negotiation_9b_length_runaway.csv"
-    if not p.exists():
-        pytest.skip("../shared/traces not present")
+    p = Path(__file__).resolve().parents[1] / "scripts/research/traces/sparse/fleet_negotiation_9b_length_runaway.csv"
     s = metric_series(load_run(p), "response_length")
     assert list(s.index) == [4, 16, 36, 44, 52, 56, 60, 64, 108] and s[36] == 5995
 

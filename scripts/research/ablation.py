@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--seed-start", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--only", nargs="*", help="variants to run (default: all)")
-    parser.add_argument("--real", type=Path, default=ROOT.parent / "shared" / "traces")
+    parser.add_argument("--real", type=Path, default=ROOT / "scripts" / "research" / "traces" / "sparse")
     parser.add_argument("--json", type=Path, help="write {variant: cells} here")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"))
     args = parser.parse_args()

@@ -7,7 +7,7 @@ fraction, O and Q with k3 too), each in nine log forms (``FORMS``: dense; the sc
 row only, or forward-filled from every 10th, or absent; verl's co-signals on every 4th row only or
 forward-filled from it; every column logged every 5 or 10 steps), the 34
 length-only synthetic traces (``scripts/research/traces``, ``scripts/research/synthetic_traces.py``) and the real
-traces of ``--real DIR`` (default ``../shared/traces``; read-only, fed as logged). Rules:
+traces of ``--real DIR`` (default ``scripts/research/traces/sparse``, fed as logged). Rules:
 
 - ``cusum``: :func:`verl_lrstab.runs.replay_with_cosignals` (``schedule.replay`` plus verl's
   co-signals) with the default ``LengthSurgeConfig`` (``detector: cusum``), fed every co-signal
@@ -392,7 +392,7 @@ BACK_LINK = "[README](../README.md) · [the surge detector](detector.md)"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--real", type=Path, default=ROOT.parent / "shared" / "traces")
+    parser.add_argument("--real", type=Path, default=ROOT / "scripts" / "research" / "traces" / "sparse")
     parser.add_argument("--seeds", type=int, default=len(SEEDS), help=f"seeds per class (default {len(SEEDS)})")
     parser.add_argument("--out", type=lambda text: Path(text) if text else None, default=ROOT / "docs" / "detector_benchmark.md",
                         help="the report to write ('': print only)")
