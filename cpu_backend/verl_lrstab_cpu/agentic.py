@@ -17,6 +17,9 @@ With ``LRSTAB_AGENT_TRACE=<dir>`` every trajectory is recorded (one JSON line: w
 tokens, the model's own tokens counted from the ``response_mask`` verl's loop built, the tool's answer
 words) for checks independent of verl-lrstab's glue.
 
+The names, the trace variable and the answer schedule live in :mod:`.agentic_script`, which both this module
+and :mod:`.agentic_loop` import; they are exported here too.
+
 :mod:`.agentic_loop` (the classes) is imported only once verl imports its tool agent loop
 (:func:`register_when_verl_loads`): that import is heavy, and most processes never run an agent loop.
 """
@@ -27,19 +30,10 @@ import importlib
 import os
 from pathlib import Path
 
-AGENT_NAME = "lrstab_scripted_tools"
-PARSER_NAME = "lrstab_scripted"
-TOOL_NAME = "lrstab_lookup"
-TRACE_ENV = "LRSTAB_AGENT_TRACE"
-#: The words of the tool's answers: in the tiny tokenizer's vocabulary, one or two tokens each.
-WORDS = ("the", "number", "first", "second", "result", "sum", "difference", "total", "count", "check")
+from .agentic_script import AGENT_NAME, PARSER_NAME, TOOL_NAME, TRACE_ENV, WORDS, answer_words, weight_version
 
-
-def answer_words(step: int, words: int, growth: float = 1.0, grow_from: int = 1, grow_steps: int = 1) -> int:
-    """The tool's answer length in words at trainer step ``step``: ``words`` up to ``grow_from``, then growing
-    linearly to ``growth x words`` over ``grow_steps`` steps, then staying there."""
-    done = min(max(step - grow_from, 0), grow_steps) / grow_steps
-    return max(1, round(words * (1.0 + (growth - 1.0) * done)))
+__all__ = ["AGENT_NAME", "PARSER_NAME", "TOOL_NAME", "TRACE_ENV", "WORDS", "answer_words", "weight_version",
+           "write_tool_config", "register_when_verl_loads"]
 
 
 def write_tool_config(path: os.PathLike, words: int, growth: float = 1.0, grow_from: int = 1,
@@ -60,12 +54,6 @@ def write_tool_config(path: os.PathLike, words: int, growth: float = 1.0, grow_f
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def weight_version(agent_data) -> int:
-    """The weight version the trajectory was sampled with (``global_steps`` of the rollout's first response)."""
-    version = (getattr(agent_data, "extra_fields", None) or {}).get("global_steps")
-    return int(version) if version is not None else 0
 
 
 def register_when_verl_loads() -> None:

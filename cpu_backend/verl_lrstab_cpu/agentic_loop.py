@@ -1,8 +1,8 @@
-"""The scripted multi-turn rollout's classes (:mod:`.agentic`), registered with verl on import.
+"""The scripted multi-turn rollout's classes, registered with verl on import.
 
-Imported in a process only once verl imports its tool agent loop
-(:func:`.agentic.register_when_verl_loads`): verl's ``register`` keeps the class's import path,
-which must be a module-level name.
+Imported in a process only once verl imports its tool agent loop (``register_when_verl_loads`` of
+``verl_lrstab_cpu.agentic``, which describes the rollout): verl's ``register`` keeps the class's import path,
+which must be a module-level name. What the classes share with that module comes from :mod:`.agentic_script`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import ToolResponse
 
-from .agentic import AGENT_NAME, PARSER_NAME, TOOL_NAME, TRACE_ENV, WORDS, answer_words, weight_version
+from .agentic_script import AGENT_NAME, PARSER_NAME, TOOL_NAME, TRACE_ENV, WORDS, answer_words, weight_version
 
 
 @ToolParser.register(PARSER_NAME)
@@ -31,7 +31,7 @@ class ScriptedToolParser(ToolParser):
 
 
 class ScriptedLookupTool(BaseTool):
-    """Answers with :func:`~.agentic.answer_words` words for the trajectory's trainer step (its config:
+    """Answers with :func:`~.agentic_script.answer_words` words for the trajectory's trainer step (its config:
     ``words``, ``growth``, ``grow_from``, ``grow_steps``)."""
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
