@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, cast
 
-from verl_lrstab.guard.plan import GuardError
+from verl_lrstab.guard.errors import GuardError
 
 _parser = None
 
@@ -52,7 +52,7 @@ def _element(value) -> str:
 
 def override(key: str, value) -> str:
     """``key=value`` with ``value`` (a string, number, bool or list of them) in Hydra's grammar, checked
-    to read back as ``value``; :class:`~.plan.GuardError` naming the key when it cannot be written so."""
+    to read back as ``value``; :class:`~.errors.GuardError` naming the key when it cannot be written so."""
     text = "[" + ",".join(_element(v) for v in value) + "]" if isinstance(value, (list, tuple)) else _element(value)
     line = f"{key}={text}"
     want = list(value) if isinstance(value, tuple) else value

@@ -19,7 +19,9 @@ import pandas as pd
 
 from verl_lrstab.config import OPTIM_KEY, LengthSurgeConfig
 from verl_lrstab.config_checks import config_value
+from verl_lrstab.guard.errors import GuardError
 from verl_lrstab.guard.files import write_atomic
+from verl_lrstab.guard.overrides import override
 from verl_lrstab.reward_crash import reward_crash
 from verl_lrstab.reward_crash import score_floor as _floor
 from verl_lrstab.runs import MissingMetricError, length_column
@@ -42,10 +44,6 @@ def step_of(name: str) -> Optional[int]:
     ``best_global_step_60``, ``global_step_60.bak`` or ``global_step_060`` are a user's, not verl's."""
     m = _STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
-
-
-class GuardError(ValueError):
-    """A guarded launch that cannot work as given (the message names the key and what to set)."""
 
 
 @dataclass(frozen=True)
@@ -534,8 +532,6 @@ def rollback_overrides(checkpoint_dir: Path, checkpoint_step: int, period: int, 
     which wins over the scheduler state the checkpoint restores. Each is written in Hydra's grammar
     and checked to read back as meant (:func:`.overrides.override`).
     """
-    from verl_lrstab.guard.overrides import override
-
     out = resume_overrides(checkpoint_dir, checkpoint_step) + [
         override(f"{OPTIM}.lr_scheduler_type", "length_surge"),
         override(f"++{OPTIM}.length_surge.decay_from_step",
