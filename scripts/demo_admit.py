@@ -51,8 +51,8 @@ def main(argv=None) -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True)
 
-    from verl_lrstab.admit import by_k3
-    from verl_lrstab.admit_runner import parse_candidate, print_report, reports_of, run_candidates
+    from verl_lrstab.admit.verdict import by_k3
+    from verl_lrstab.admit.runner import parse_candidate, print_report, reports_of, run_candidates
     from verl_lrstab_cpu.vllm_assets import build_vllm_assets
     from verl_lrstab_cpu.vllm_rollout import CONFIG_OVERRIDE, engine_shm_cleanup, loopback_env
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, calibrated_budget, drift_ratio, judge, report_json,
-                               report_table)
+from verl_lrstab.admit.verdict import (DEFAULT_BUDGET_K3, Budget, calibrated_budget, drift_ratio, judge,
+                                       report_json, report_table)
 from verl_lrstab.config_checks import Finding
 from verl_lrstab.runs import load_run, metric_series
 
@@ -75,7 +75,7 @@ def test_the_json_contract_and_the_table():
 def test_a_candidates_env_tokens_reach_verls_ray_runtime_env_as_strings():
     from pathlib import Path
 
-    from verl_lrstab.admit_runner import NO_UPDATE, QUIET, parse_candidate
+    from verl_lrstab.admit.runner import NO_UPDATE, QUIET, parse_candidate
     from verl_lrstab.guard.supervisor import compose_config
 
     cand = parse_candidate("bf16-t1.3=actor_rollout_ref.rollout.dtype=bfloat16 env:LRSTAB_VLLM_SAMPLER_TEMPERATURE=1.3 "
@@ -100,7 +100,7 @@ def test_a_candidates_env_tokens_reach_verls_ray_runtime_env_as_strings():
 @pytest.mark.parametrize("text, named", [("=x=1", "NAME"), ("a/b=x=1", "NAME"), ("ok=env:1BAD=x", "env:1BAD=x"),
                                          ("ok=env:NOVALUE", "env:NOVALUE"), ("ok=env:Q='x'", "env:Q='x'")])
 def test_a_malformed_candidate_is_refused_naming_the_token(text, named):
-    from verl_lrstab.admit_runner import parse_candidate
+    from verl_lrstab.admit.runner import parse_candidate
 
     with pytest.raises(ValueError, match=named.replace("'", ".")):
         parse_candidate(text)
@@ -113,7 +113,7 @@ def tail_rows(tails, n_tokens):
 
 
 def test_tail_shares_weigh_the_steps_by_their_tokens():
-    from verl_lrstab.admit import tail_shares
+    from verl_lrstab.admit.verdict import tail_shares
 
     rows = [tail_rows([1.0, 0.5, 0.2, 0.1, 0.0, 0.0, 0.0], 100), tail_rows([1.0, 0.8, 0.5, 0.1, 0.1, 0.0, 0.0], 300)]
     got = tail_shares(rows)
@@ -123,7 +123,7 @@ def test_tail_shares_weigh_the_steps_by_their_tokens():
 
 
 def test_the_distribution_figure_draws_every_candidate_with_a_tail(tmp_path):
-    from verl_lrstab.admit import plot_tails
+    from verl_lrstab.admit.verdict import plot_tails
 
     budget = Budget(DEFAULT_BUDGET_K3)
     reports = [judge("fp32", [tail_rows([1e-3, 0, 0, 0, 0, 0, 0], 50)] * 4, budget),
@@ -141,7 +141,7 @@ def test_the_manuals_gpu_example_composes_in_verls_config():
     import shlex
     from pathlib import Path
 
-    from verl_lrstab.admit_runner import NO_UPDATE, QUIET, parse_candidate
+    from verl_lrstab.admit.runner import NO_UPDATE, QUIET, parse_candidate
     from verl_lrstab.guard.supervisor import compose_config, split_command
 
     manual = (Path(__file__).resolve().parents[1] / "docs" / "admit.md").read_text()

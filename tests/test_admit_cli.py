@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_lrstab.admit import is_drifting, judge, Budget
+from verl_lrstab.admit.verdict import is_drifting, judge, Budget
 from verl_lrstab.runs import load_run
 
 STANDIN = Path(__file__).resolve().parent / "standin" / "python"

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: The product, folder by folder: the scheduler core, detectors, mismatch figures, verl glue,
 #: guard, admit, CLI and plots (docs/layout.md).
-PRODUCT_PACKAGES = {"verl_lrstab", "verl_lrstab/glue", "verl_lrstab/guard", "verl_lrstab/cli"}
+PRODUCT_PACKAGES = {"verl_lrstab", "verl_lrstab/glue", "verl_lrstab/guard", "verl_lrstab/admit", "verl_lrstab/cli"}
 #: Words that name what stands beside the product; none may appear in a shipped module's path.
 NOT_PRODUCT = ("cpu", "platform", "rollout", "word_problem", "asset", "repro", "phenomena", "synthetic",
                "real_model", "sampler", "vllm", "test", "bench", "demo")

@@ -1,5 +1,5 @@
 """``lrstab admit --candidate NAME=OVERRIDES ... -- python -m verl.trainer.main_ppo ...``: screen rollout
-configurations' mismatch at LR 0 against a budget (:mod:`verl_lrstab.admit`)."""
+configurations' mismatch at LR 0 against a budget (:mod:`verl_lrstab.admit.verdict`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def cmd_admit(args) -> int:
-    from verl_lrstab.admit import Budget
-    from verl_lrstab.admit_runner import parse_candidate, print_report, run_candidates
+    from verl_lrstab.admit.verdict import Budget
+    from verl_lrstab.admit.runner import parse_candidate, print_report, run_candidates
     from verl_lrstab.guard.plan import GuardError
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -2,7 +2,7 @@
 
 Pure functions over the per-step ``actor/mismatch/*`` figures of a few no-update steps (verl's
 ``main_ppo`` at LR 0: the trainer scores exactly what the rollout engine sampled). The runner
-that produces them is :mod:`verl_lrstab.admit_runner`; a user can call these on figures logged by
+that produces them is :mod:`verl_lrstab.admit.runner`; a user can call these on figures logged by
 their own LR-0 runs.
 
 The default budget is a median k3 of 5e-4 per token: below the smallest k3 of the public

@@ -4,7 +4,7 @@ For each candidate (a name and verl overrides on top of the user's command) the 
 the configuration (:mod:`verl_lrstab.config_checks`), runs a few steps with no parameter update
 (``optim.lr=0``; the ``length_surge`` scheduler in ``monitor_only`` mode only so that the
 package's ``actor/mismatch/*`` figures are logged every step), and judges the logged figures
-against the budget (:mod:`verl_lrstab.admit`). One failing candidate is reported and the others
+against the budget (:mod:`verl_lrstab.admit.verdict`). One failing candidate is reported and the others
 still run. Each candidate is its own ``main_ppo`` launch; with ``ray_address`` every launch joins
 that one Ray cluster (verl's ``ray_kwargs.ray_init.address``), else each starts its own. The wall
 time per candidate is in the report.
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, CandidateReport, calibrated_budget, judge, plot_tails,
-                               report_json, report_table)
+from verl_lrstab.admit.verdict import (DEFAULT_BUDGET_K3, Budget, CandidateReport, calibrated_budget, judge,
+                                       plot_tails, report_json, report_table)
 from verl_lrstab.config import OPTIM_KEY
 from verl_lrstab.config_checks import check_rollout_config
 from verl_lrstab.guard.supervisor import (compose_config, raise_on_signal, split_command, start_supervised,
@@ -95,7 +95,7 @@ def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], step
         progress: called with a line as each candidate starts and ends (None: silent).
 
     Returns:
-        The JSON report (see :func:`verl_lrstab.admit.report_json`), with ``wall_s`` per candidate,
+        The JSON report (see :func:`verl_lrstab.admit.verdict.report_json`), with ``wall_s`` per candidate,
         ``warnings``, ``complete`` and ``not_run``. The report is rewritten after every candidate
         and on Ctrl-C (KeyboardInterrupt, re-raised after the write).
     """
