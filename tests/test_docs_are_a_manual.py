@@ -124,7 +124,7 @@ def _tracked(patterns) -> list[Path]:
     """The checkout's files (committed or not, git's ignored ones left out) that match git's ``patterns``."""
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *patterns],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
-    return sorted(ROOT / f for f in files if f and f not in NOT_READ and (ROOT / f).is_file())
+    return sorted(ROOT / f for f in files if f and (ROOT / f).is_file())
 
 
 def _rel(path: Path) -> str:
@@ -165,6 +165,8 @@ def prose():
         for number, line, fenced in page_lines(page):
             yield page, number, line, fenced
     for source in _tracked(CODE):
+        if _rel(source) in NOT_READ:
+            continue
         for number, line, fenced in code_prose(source):
             yield source, number, line, fenced
 
