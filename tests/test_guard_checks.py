@@ -20,7 +20,7 @@ import torch
 from verl_lrstab.guard import moves
 from verl_lrstab.guard.files import GuardIOError
 from verl_lrstab.guard.plan import GuardError, GuardOptions, step_folders, step_of, write_tracker
-from verl_lrstab.guard.state import STATE, load_state
+from verl_lrstab.guard.run_state import STATE, load_state
 
 GOOD = {"status": "running", "command": ["python", "-m", "verl.trainer.main_ppo"], "cwd": "/", "options": {},
         "attempt": 0, "restarts": 0, "after": 0, "rules": [], "segments": [], "bad_checkpoints": [],
@@ -183,7 +183,7 @@ def test_a_lock_held_by_a_process_that_is_not_a_guard_is_not_called_a_guard(tmp_
 def test_a_scheduler_state_for_another_number_of_param_groups_or_with_options_not_a_mapping_is_refused():
     from verl_lrstab.config import LengthSurgeConfig
     from verl_lrstab.scheduler import LengthSurgeLR
-    from verl_lrstab.state_checks import SchedulerStateError
+    from verl_lrstab.scheduler_state_checks import SchedulerStateError
 
     def scheduler(groups):
         params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(groups)]

@@ -27,7 +27,7 @@ import torch
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from verl_lrstab.guard.plan import checkpoint_complete, read_tracker
-from verl_lrstab.guard.state import load_state
+from verl_lrstab.guard.run_state import load_state
 from verl_lrstab.guard.supervisor import Guard
 
 STANDIN = Path(__file__).resolve().parent / "standin"

@@ -39,7 +39,7 @@ from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, log_faile
                                     find_trouble, halvings_in_force, no_checkpoint_reason, plan_run, read_tracker,
                                     resume_overrides, rollback_overrides, stale_tracker, step_folders, step_of)
 from verl_lrstab.guard.preflight import first_launch, resume_problem, tracker_problem
-from verl_lrstab.guard.state import STATE, load_state
+from verl_lrstab.guard.run_state import STATE, load_state
 from verl_lrstab.guard.watchdog import ENV_RUN, raise_on_signal, start_supervised, stop_group, stop_survivors
 from verl_lrstab.runs import read_metrics
 from verl_lrstab.schedule import num_decays

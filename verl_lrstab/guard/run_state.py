@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from verl_lrstab.guard.plan import GuardError, GuardOptions
-from verl_lrstab.typed_state import is_integer
+from verl_lrstab.dataclass_reader import is_integer
 
 STATE = "guard_state.json"
 _RULE_KEYS = ("checkpoint_step", "decay_from_step", "decay_period", "base_period", "attempt")
