@@ -38,7 +38,7 @@ from verl_lrstab.guard.overrides import key_of, override, rejected_override, use
 from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, log_failed_to_load,
                                     checkpoint_steps, choose_checkpoint, compounded_rule, decay_period_for,
                                     find_trouble, halvings_in_force, no_checkpoint_reason, plan_run, read_tracker,
-                                    resume_overrides, rollback_overrides, stale_tracker, step_folders, step_of)
+                                    resume_overrides, rollback_overrides, stale_tracker, step_folders, step_of, Trouble)
 from verl_lrstab.guard.preflight import first_launch, resume_problem, tracker_problem
 from verl_lrstab.guard.run_state import STATE, GuardState, Pending, Rule, load_state
 from verl_lrstab.guard.watchdog import ENV_RUN, raise_on_signal, start_supervised, stop_group, stop_survivors
@@ -229,8 +229,8 @@ class Guard:
             if self.state is None:
                 raise GuardError(f"--resume {run_dir}: no {STATE} there (not a folder of an lrstab guard run)")
             if command and list(command) != self.state.command:
-                raise GuardError(f"--resume {run_dir}: the command differs from the run's ({' '.join(self.state.command)}); "
-                                 "give no command with --resume")
+                raise GuardError(f"--resume {run_dir}: the command differs from the run's "
+                                 f"({' '.join(self.state.command)}); give no command with --resume")
             command = self.state.command
             options = self.state.options
             cwd = Path(self.state.cwd)
@@ -430,138 +430,195 @@ class Guard:
     def _run(self) -> int:
         for w in self.plan.warnings:
             logger.warning("lrstab guard: %s", w)
-        st = self.state
-        if st is None:
-            st = self.state = self._new_state()
-            self.events.write("start", 0, command=self.launcher + self.overrides, run_dir=str(self.run_dir),
-                              checkpoints=str(self.plan.checkpoint_dir), save_freq=self.plan.save_freq,
-                              max_rollbacks=self.options.max_rollbacks, warnings=self.plan.warnings)
-            self._warn_stale_tracker()
+        if self.state is None:
+            self._start()
             target = None  # the user's own resume_mode on the first launch
-            checked = self._first
-            assert checked is not None  # __init__ checks the first launch of every new run
-            if checked.scratch:
-                self._set_aside(None, "before-start")
-            elif checked.keep is not None:  # verl would save over the folders after its resume step
-                self._set_aside(checked.keep, "before-start")
         else:
             records = self._trajectory()
-            if (not st.pending and self.plan.total_steps is not None
+            if (not self._st.pending and self.plan.total_steps is not None
                     and max(records, default=0) >= self.plan.total_steps):
                 return self._finish(records)  # verl had finished; the guard died writing the result
-            problem = resume_problem(self.plan, st, max(records, default=0),
-                                     self._complete(exclude=st.bad_checkpoints), self.run_dir)
-            if problem:  # checked before anything moves: the run stays resumable as it is
-                raise GuardError(problem)
-            if not self._checkpoints.held:
-                self._lock_checkpoints()
-            self._finish_pending()  # a set-aside the dead guard had decided but not finished
-            problem = tracker_problem(self.plan)
-            if problem:
-                raise GuardError(problem)
-            self._warn_stale_tracker()
-            target = self._newest(st)
-            after_failure = st.status == "failed"
-            if after_failure:  # the cause fixed: a fresh --max-restarts, the same LR rule (saved before the launch)
-                st.status, st.restarts = "running", 0
-            self.events.write("resumed", target or 0, checkpoint_step=target, attempt=st.attempt,
-                              rule=asdict(st.rules[-1]) if st.rules else None, after_failure=after_failure)
-            say(f"lrstab guard: continuing the guarded run of {self.run_dir} from the checkpoint at step "
-                f"{target} (rollbacks so far: {st.attempt})")
+            target = self._continue(records)
+        return self._supervise(target)
+
+    def _start(self) -> None:
+        """A new run: its state made, the folders verl would save over moved aside (``__init__`` checked
+        the first launch: :func:`.preflight.first_launch`)."""
+        self.state = self._new_state()
+        self.events.write("start", 0, command=self.launcher + self.overrides, run_dir=str(self.run_dir),
+                          checkpoints=str(self.plan.checkpoint_dir), save_freq=self.plan.save_freq,
+                          max_rollbacks=self.options.max_rollbacks, warnings=self.plan.warnings)
+        self._warn_stale_tracker()
+        checked = self._first
+        assert checked is not None  # __init__ checks the first launch of every new run
+        if checked.scratch:
+            self._set_aside(None, "before-start")
+        elif checked.keep is not None:  # verl would save over the folders after its resume step
+            self._set_aside(checked.keep, "before-start")
+
+    def _continue(self, records: dict[int, dict]) -> Optional[int]:
+        """A run continued (``--resume``, or the same command again): the checkpoint folder checked, a
+        set-aside the dead guard had decided finished; returns the step to resume from (None: from scratch)."""
+        st = self._st
+        problem = resume_problem(self.plan, st, max(records, default=0),
+                                 self._complete(exclude=st.bad_checkpoints), self.run_dir)
+        if problem:  # checked before anything moves: the run stays resumable as it is
+            raise GuardError(problem)
+        if not self._checkpoints.held:
+            self._lock_checkpoints()
+        self._finish_pending()  # a set-aside the dead guard had decided but not finished
+        problem = tracker_problem(self.plan)
+        if problem:
+            raise GuardError(problem)
+        self._warn_stale_tracker()
+        target = self._newest(st)
+        after_failure = st.status == "failed"
+        if after_failure:  # the cause fixed: a fresh --max-restarts, the same LR rule (saved before the launch)
+            st.status, st.restarts = "running", 0
+        self.events.write("resumed", target or 0, checkpoint_step=target, attempt=st.attempt,
+                          rule=asdict(st.rules[-1]) if st.rules else None, after_failure=after_failure)
+        say(f"lrstab guard: continuing the guarded run of {self.run_dir} from the checkpoint at step "
+            f"{target} (rollbacks so far: {st.attempt})")
+        return target
+
+    def _supervise(self, target: Optional[int]) -> int:
+        """Launch verl from ``target`` and answer the end of each launch (a trouble: a rollback; a failed
+        load: an older checkpoint; a crash: a restart) until the run is done, given up or failed; returns
+        the exit status."""
+        st = self._st
         resume_tries, limit = 0, None  # tries of the current decision; the newest step it may use
         while True:
-            # a new number for each launch (a launch that logged nothing still left its .log)
-            k = max(_next_index(self.run_dir, "segment-{}.jsonl"), _next_index(self.run_dir, "segment-{}.log"))
-            seg = self.run_dir / f"segment-{k}.jsonl"
-            first = (target if target is not None else 0 if self._first and self._first.scratch
-                     else self._user_start()) + 1
-            st.segments.append((str(seg), first))
-            st.resumed_at = target
-            self._save()
+            seg = self._new_segment(target)
             trouble, rc = self._launch(seg, self._extra(target), after=st.after)
             records = self._trajectory()
             if trouble is None and rc == 0:
                 return self._finish(records)
             if trouble is None:
-                log = seg.with_suffix(".log")
-                loaded = target if target is not None else (self._user_start() or None)  # the first launch's own
-                if loaded is not None and not read_metrics(seg) and log_failed_to_load(log):
-                    # the checkpoint did not load (verl says so, or died while loading): try the next older one
-                    target = loaded
-                    st.bad_checkpoints.append(target)
-                    older = [s for s in self._complete(exclude=st.bad_checkpoints) if s < target
-                             and (limit is None or s <= limit)]
-                    if resume_tries + 1 >= self.options.max_resume_tries:
-                        older = []
-                    self.events.write("resume_failed", target, checkpoint_step=target, returncode=rc, log=str(log),
-                                      next_checkpoint=max(older, default=None))
-                    if older:
-                        resume_tries += 1
-                        if st.rules and st.rules[-1].checkpoint_step == target:  # a rollback's resume
-                            failed = st.rules.pop()
-                            self._push_rule(max(older), failed.base_period, records)
-                            st.after = max(older)
-                            target = self._retarget(max(older), self.options.skip_batches)
-                        else:
-                            target = self._retarget(max(older))
-                        continue
-                if st.restarts < self.options.max_restarts and self._complete(exclude=st.bad_checkpoints):
-                    st.restarts += 1
-                    resume_tries, limit = 0, None
-                    target = max(self._complete(exclude=st.bad_checkpoints))
-                    self._set_aside(target, "restart")
-                    self.events.write("restart", max(records, default=0), returncode=rc, checkpoint_step=target,
-                                      restarts=st.restarts, log=str(log))
-                    say(f"lrstab guard: verl exited with status {rc} (log: {log}); restart {st.restarts} "
-                        f"(--max-restarts {self.options.max_restarts}) from the checkpoint at step {target}")
+                older = self._resume_older(seg, rc, target, limit, resume_tries, records)
+                if older is not None:
+                    target, resume_tries = older, resume_tries + 1
                     continue
-                self._write_final(records)
-                self.events.write("failed", max(records, default=0), returncode=rc, log=str(log))
-                say(f"lrstab guard: verl exited with status {rc} (log: {log})")
-                return self._end("failed", STATUS_FAILED)
+                if st.restarts < self.options.max_restarts and self._complete(exclude=st.bad_checkpoints):
+                    target, resume_tries, limit = self._restart(seg, rc, records), 0, None
+                    continue
+                return self._fail(seg, rc, records)
             self.events.write(trouble.reason, trouble.step, onset_step=trouble.onset, surge_step=trouble.surge_step)
             if st.attempt >= self.options.max_rollbacks:
-                self._write_final(records)
-                self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st.attempt)
-                say(f"lrstab guard: {trouble.reason} at step {trouble.step} after {st.attempt} rollback(s) "
-                    f"(--max-rollbacks {self.options.max_rollbacks}): stopping; the run and its checkpoints are in "
-                    f"{self.plan.checkpoint_dir}")
-                return self._end("gave_up", STATUS_GAVE_UP)
+                return self._give_up(trouble, records)
             limit = trouble.onset - self.options.margin
             ckpt = choose_checkpoint(self._complete(exclude=st.bad_checkpoints), trouble.onset, self.options.margin)
             if ckpt is None:
                 why = no_checkpoint_reason(self._complete(), st.bad_checkpoints, trouble.onset, self.options.margin)
-                self._write_final(records)
-                self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st.attempt, why=why)
-                say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}), but {why} in "
-                    f"{self.plan.checkpoint_dir}: stopping")
-                return self._end("gave_up", STATUS_GAVE_UP)
-            if self.options.skip_batches:  # checked before anything moves (raises naming data.pt and the key)
-                skipped_data_state(self.plan.checkpoint_dir / f"global_step_{ckpt}", self.options.skip_batches,
-                                   self.plan.batch_size)
-            st.attempt += 1
-            resume_tries = 0
-            period = decay_period_for(trouble, self.plan.length_surge)
-            rule = self._push_rule(ckpt, period, records)
-            dest = self._fresh_dir("attempt", st.attempt)
-            # the decision first (the state names the rollback and what to move), then the moves: a guard
-            # that dies or fails in between finishes them on --resume (_finish_pending)
-            st.segments[-1] = (str(dest / "metrics.jsonl"), st.segments[-1][1])
-            st.after, target = ckpt, ckpt
-            # the rollback event is part of the decision: written when the journal is carried out (once)
-            rollback = {"event": "rollback", "step": trouble.step, "id": f"rollback-{dest}", "checkpoint_step": ckpt,
-                        "onset_step": trouble.onset, "attempt": st.attempt, "reason": trouble.reason,
-                        "decay_period": rule.decay_period, "decay_from_step": rule.decay_from_step,
-                        "halvings_at_checkpoint": rule.halvings, "skip_batches": rule.skip_batches,
-                        "abandoned_metrics": str(dest / "metrics.jsonl")}
-            st.pending = self._pending(ckpt, dest, segment=str(seg), skip=self.options.skip_batches,
-                                          events=[rollback])
-            self._save()
-            say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}): rollback "
-                f"{st.attempt} to the checkpoint at step {ckpt}, LR x{self.plan.length_surge.gamma:g} of the LR "
-                f"in force there ({rule.halvings} decay(s)), then every {rule.decay_period} steps",
-                file=sys.stdout)
-            self._finish_pending()
+                return self._give_up(trouble, records, why)
+            target, resume_tries = self._roll_back(trouble, ckpt, seg, records), 0
+
+    def _new_segment(self, target: Optional[int]) -> Path:
+        """The next launch's metrics file, recorded in the state (saved) with its first step."""
+        st = self._st
+        # a new number for each launch (a launch that logged nothing still left its .log)
+        k = max(_next_index(self.run_dir, "segment-{}.jsonl"), _next_index(self.run_dir, "segment-{}.log"))
+        seg = self.run_dir / f"segment-{k}.jsonl"
+        first = (target if target is not None else 0 if self._first and self._first.scratch
+                 else self._user_start()) + 1
+        st.segments.append((str(seg), first))
+        st.resumed_at = target
+        self._save()
+        return seg
+
+    def _resume_older(self, seg: Path, rc: int, target: Optional[int], limit: Optional[int], tries: int,
+                      records: dict[int, dict]) -> Optional[int]:
+        """After a launch that ended with no trouble and a non-zero ``rc``: when its checkpoint failed to
+        load (verl says so, or died while loading), that checkpoint is marked bad (``resume_failed``) and
+        the next older one is made the one to resume from (at or before ``limit`` for a rollback's; a
+        rollback's LR rule moves with it) and returned. None: the load did not fail, or no older
+        checkpoint is left to try (``--max-resume-tries``)."""
+        st = self._st
+        log = seg.with_suffix(".log")
+        loaded = target if target is not None else (self._user_start() or None)  # the first launch's own
+        if loaded is None or read_metrics(seg) or not log_failed_to_load(log):
+            return None
+        st.bad_checkpoints.append(loaded)
+        older = [s for s in self._complete(exclude=st.bad_checkpoints) if s < loaded
+                 and (limit is None or s <= limit)]
+        if tries + 1 >= self.options.max_resume_tries:
+            older = []
+        self.events.write("resume_failed", loaded, checkpoint_step=loaded, returncode=rc, log=str(log),
+                          next_checkpoint=max(older, default=None))
+        if not older:
+            return None
+        if st.rules and st.rules[-1].checkpoint_step == loaded:  # a rollback's resume
+            failed = st.rules.pop()
+            self._push_rule(max(older), failed.base_period, records)
+            st.after = max(older)
+            return self._retarget(max(older), self.options.skip_batches)
+        return self._retarget(max(older))
+
+    def _restart(self, seg: Path, rc: int, records: dict[int, dict]) -> int:
+        """A verl crash outside a rollback: restart from the newest complete checkpoint (returned), the
+        unfinished saves after it moved aside."""
+        st = self._st
+        log = seg.with_suffix(".log")
+        st.restarts += 1
+        target = max(self._complete(exclude=st.bad_checkpoints))
+        self._set_aside(target, "restart")
+        self.events.write("restart", max(records, default=0), returncode=rc, checkpoint_step=target,
+                          restarts=st.restarts, log=str(log))
+        say(f"lrstab guard: verl exited with status {rc} (log: {log}); restart {st.restarts} "
+            f"(--max-restarts {self.options.max_restarts}) from the checkpoint at step {target}")
+        return target
+
+    def _fail(self, seg: Path, rc: int, records: dict[int, dict]) -> int:
+        """verl failed, its restarts used up: status 4."""
+        log = seg.with_suffix(".log")
+        self._write_final(records)
+        self.events.write("failed", max(records, default=0), returncode=rc, log=str(log))
+        say(f"lrstab guard: verl exited with status {rc} (log: {log})")
+        return self._end("failed", STATUS_FAILED)
+
+    def _give_up(self, trouble: Trouble, records: dict[int, dict], why: Optional[str] = None) -> int:
+        """A trouble the guard does not answer: the rollbacks used up, or (``why``) no checkpoint answers
+        it. Status 3."""
+        st = self._st
+        self._write_final(records)
+        if why is None:
+            self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st.attempt)
+            say(f"lrstab guard: {trouble.reason} at step {trouble.step} after {st.attempt} rollback(s) "
+                f"(--max-rollbacks {self.options.max_rollbacks}): stopping; the run and its checkpoints are in "
+                f"{self.plan.checkpoint_dir}")
+        else:
+            self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st.attempt, why=why)
+            say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}), but {why} in "
+                f"{self.plan.checkpoint_dir}: stopping")
+        return self._end("gave_up", STATUS_GAVE_UP)
+
+    def _roll_back(self, trouble: Trouble, ckpt: int, seg: Path, records: dict[int, dict]) -> int:
+        """Decide the rollback to ``ckpt`` (the LR rule, where the abandoned segment goes), write the
+        decision, then carry it out (:meth:`_finish_pending`); returns ``ckpt``, the step to resume from."""
+        st = self._st
+        if self.options.skip_batches:  # checked before anything moves (raises naming data.pt and the key)
+            skipped_data_state(self.plan.checkpoint_dir / f"global_step_{ckpt}", self.options.skip_batches,
+                               self.plan.batch_size)
+        st.attempt += 1
+        period = decay_period_for(trouble, self.plan.length_surge)
+        rule = self._push_rule(ckpt, period, records)
+        dest = self._fresh_dir("attempt", st.attempt)
+        # the decision first (the state names the rollback and what to move), then the moves: a guard
+        # that dies or fails in between finishes them on --resume (_finish_pending)
+        st.segments[-1] = (str(dest / "metrics.jsonl"), st.segments[-1][1])
+        st.after = ckpt
+        # the rollback event is part of the decision: written when the journal is carried out (once)
+        rollback = {"event": "rollback", "step": trouble.step, "id": f"rollback-{dest}", "checkpoint_step": ckpt,
+                    "onset_step": trouble.onset, "attempt": st.attempt, "reason": trouble.reason,
+                    "decay_period": rule.decay_period, "decay_from_step": rule.decay_from_step,
+                    "halvings_at_checkpoint": rule.halvings, "skip_batches": rule.skip_batches,
+                    "abandoned_metrics": str(dest / "metrics.jsonl")}
+        st.pending = self._pending(ckpt, dest, segment=str(seg), skip=self.options.skip_batches, events=[rollback])
+        self._save()
+        say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}): rollback "
+            f"{st.attempt} to the checkpoint at step {ckpt}, LR x{self.plan.length_surge.gamma:g} of the LR "
+            f"in force there ({rule.halvings} decay(s)), then every {rule.decay_period} steps", file=sys.stdout)
+        self._finish_pending()
+        return ckpt
 
     # -- what each launch resumes from -------------------------------------------------------------
     def _user_start(self) -> int:
