@@ -20,11 +20,14 @@ import torch
 from verl_lrstab.guard import moves
 from verl_lrstab.guard.files import GuardIOError
 from verl_lrstab.guard.plan import GuardError, GuardOptions, step_folders, step_of, write_tracker
-from verl_lrstab.guard.state import STATE, load_state
+from verl_lrstab.guard.run_state import STATE, GuardState, Rule, load_state
 
-GOOD = {"status": "running", "command": ["python", "-m", "verl.trainer.main_ppo"], "cwd": "/", "options": {},
-        "attempt": 0, "restarts": 0, "after": 0, "rules": [], "segments": [], "bad_checkpoints": [],
-        "pending": None}
+STANDIN = Path(__file__).resolve().parent / "standin"
+GOOD = json.loads(GuardState.start(["python", "-m", "verl.trainer.main_ppo"], "/", GuardOptions()).to_json())
+PENDING = {"checkpoint_step": 8, "scratch": False, "dest": "/x", "local": None, "segment": None, "skip_batches": 0,
+           "events": []}
+RULE = {"checkpoint_step": 8, "decay_from_step": 8, "decay_period": 18, "halvings": 0, "base_period": 18, "attempt": 1,
+        "skip_batches": 0}
 
 
 def state_error(tmp_path: Path, text: str) -> str:
@@ -34,25 +37,46 @@ def state_error(tmp_path: Path, text: str) -> str:
     return str(err.value)
 
 
-@pytest.mark.parametrize("change,key", [
-    ({"pending": "yes"}, "pending"),
-    ({"pending": {"checkpoint_step": 8}}, "pending"),  # no dest
-    ({"pending": {"checkpoint_step": 8, "dest": "relative/dir", "segment": None, "skip_batches": 0}}, "pending"),
-    ({"pending": {"checkpoint_step": -1, "dest": "/x", "segment": None, "skip_batches": 0}}, "pending"),
-    ({"cwd": "/nonexistent/folder"}, "cwd"),
-    ({"cwd": 3}, "cwd"),
-    ({"segments": [["/", 1]]}, "segments[0]"),  # a folder where a metrics file goes
-    ({"segments": [["rel.jsonl", 1]]}, "segments"),
-    ({"options": ["max_rollbacks", 2]}, "options"),
-    ({"options": {"max_rollbackz": 2}}, "options"),
-    ({"options": {"crash_fraction": "high"}}, "options"),
-    ({"options": {"on_surge": "no"}}, "options"),
-    ({"after": True}, "after"),
-    ({"resumed_at": "8"}, "resumed_at"),
-    ({"bad_checkpoints": [8.0]}, "bad_checkpoints"),
+def without(key: str) -> dict:
+    return {k: v for k, v in GOOD.items() if k != key}
+
+
+@pytest.mark.parametrize("state,key", [
+    ({**GOOD, "pending": "yes"}, "pending"),
+    ({**GOOD, "pending": {"checkpoint_step": 8}}, "pending.scratch"),  # the first key missing, in the file's order
+    ({**GOOD, "pending": {**PENDING, "dest": "relative/dir"}}, "pending.dest"),
+    ({**GOOD, "pending": {**PENDING, "checkpoint_step": -1}}, "pending.checkpoint_step"),
+    ({**GOOD, "pending": {**PENDING, "events": ["rollback"]}}, "pending.events[0]"),
+    ({**GOOD, "pending": {**PENDING, "events": [{"step": 3}]}}, "pending.events[0].event"),
+    ({**GOOD, "pending": {**PENDING, "local": "relative"}}, "pending.local"),
+    ({**GOOD, "cwd": "/nonexistent/folder"}, "cwd"),
+    ({**GOOD, "cwd": 3}, "cwd"),
+    ({**GOOD, "segments": [["/", 1]]}, "segments[0]"),  # a folder where a metrics file goes
+    ({**GOOD, "segments": [["rel.jsonl", 1]]}, "segments[0]"),
+    ({**GOOD, "segments": [["/a.jsonl"]]}, "segments[0]"),
+    ({**GOOD, "segments": [["/a.jsonl", "1"]]}, "segments[0][1]"),
+    ({**GOOD, "options": ["max_rollbacks", 2]}, "options"),
+    ({**GOOD, "options": {**GOOD["options"], "max_rollbackz": 2}}, "options.max_rollbackz"),
+    ({**GOOD, "options": {"max_rollbacks": 2}}, "options.margin"),
+    ({**GOOD, "options": {**GOOD["options"], "crash_fraction": "high"}}, "options.crash_fraction"),
+    ({**GOOD, "options": {**GOOD["options"], "crash_fraction": 1.5}}, "options"),  # GuardOptions' own bound
+    ({**GOOD, "options": {**GOOD["options"], "on_surge": "no"}}, "options.on_surge"),
+    ({**GOOD, "after": True}, "after"),
+    ({**GOOD, "attempt": -1}, "attempt"),
+    ({**GOOD, "status": "paused"}, "status"),
+    ({**GOOD, "resumed_at": "8"}, "resumed_at"),
+    ({**GOOD, "bad_checkpoints": [8.0]}, "bad_checkpoints[0]"),
+    ({**GOOD, "rules": [{"checkpoint_step": 8}]}, "rules[0].decay_from_step"),
+    ({**GOOD, "rules": [{**RULE, "decay_period": 0}]}, "rules[0].decay_period"),
+    ({**GOOD, "rules": [{**RULE, "halvings": 0.5}]}, "rules[0].halvings"),
+    ({**GOOD, "surge": 3}, "surge"),  # a key the state does not have
+    (without("pending"), "pending"),
+    (without("resumed_at"), "resumed_at"),
+    (without("version"), "version"),
+    ({**GOOD, "version": 3}, "version"),  # another format: refused by its version, before its other keys
 ])
-def test_every_state_key_is_checked_naming_the_file_and_the_key(tmp_path, change, key):
-    message = state_error(tmp_path, json.dumps({**GOOD, **change}))
+def test_every_state_key_is_checked_naming_the_file_and_the_key(tmp_path, state, key):
+    message = state_error(tmp_path, json.dumps(state))
     assert message.startswith(f"{tmp_path / STATE}: the key {key!r}"), message
 
 
@@ -60,8 +84,29 @@ def test_a_state_nested_too_deeply_or_not_json_is_one_error(tmp_path):
     assert "nested too deeply" in state_error(tmp_path, "[" * 100_000 + "]" * 100_000)
     assert str(tmp_path / STATE) in state_error(tmp_path, '{"status": ')
     assert "not a guard state" in state_error(tmp_path, "[1, 2]")
+    assert "another format of lrstab's guard" in state_error(tmp_path, json.dumps({**GOOD, "version": 3, "new": 1}))
     (tmp_path / STATE).write_text(json.dumps(GOOD))
-    assert load_state(tmp_path)["pending"] is None  # the good one loads
+    assert load_state(tmp_path) == GuardState.start(GOOD["command"], "/", GuardOptions())  # the good one loads
+
+
+def test_a_state_file_written_before_the_state_was_a_dataclass_is_read_and_written_back_the_same(tmp_path):
+    # standin/guard_state.json: written by the guard whose state was a plain mapping (a rollback from step 11's NaN
+    # to step 8, the guard killed in its second launch; then a rollback to step 12 journaled through that guard's own
+    # _pending and _save), its folder replaced by @ROOT@. The format is the same: read, and written back byte for byte
+    text = (STANDIN / "guard_state.json").read_text().replace("@ROOT@", str(tmp_path))
+    (tmp_path / "guard").mkdir()
+    (tmp_path / "guard" / STATE).write_text(text)
+    state = load_state(tmp_path / "guard")
+    assert state is not None and (state.status, state.attempt, state.after, state.resumed_at) == ("running", 1, 8, 8)
+    assert state.options == GuardOptions()
+    assert state.rules == [Rule(checkpoint_step=8, decay_from_step=8, decay_period=18, halvings=0, base_period=18,
+                                attempt=1, skip_batches=0)]
+    assert state.segments == [(str(tmp_path / "guard" / "abandoned" / "attempt-1" / "metrics.jsonl"), 1),
+                              (str(tmp_path / "guard" / "segment-2.jsonl"), 9)]
+    assert state.pending is not None and (state.pending.checkpoint_step, state.pending.scratch) == (12, False)
+    assert state.pending.dest == str(tmp_path / "guard" / "abandoned" / "attempt-2")
+    assert [e["event"] for e in state.pending.events] == ["rollback"]
+    assert state.to_json() == text
 
 
 def test_only_folders_named_exactly_as_verl_names_them_are_checkpoints(tmp_path):
@@ -183,7 +228,7 @@ def test_a_lock_held_by_a_process_that_is_not_a_guard_is_not_called_a_guard(tmp_
 def test_a_scheduler_state_for_another_number_of_param_groups_or_with_options_not_a_mapping_is_refused():
     from verl_lrstab.config import LengthSurgeConfig
     from verl_lrstab.scheduler import LengthSurgeLR
-    from verl_lrstab.state_checks import SchedulerStateError
+    from verl_lrstab.scheduler_state_checks import SchedulerStateError
 
     def scheduler(groups):
         params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(groups)]
@@ -247,7 +292,8 @@ def test_resume_is_refused_when_the_rollbacks_own_checkpoint_is_gone_and_no_late
     (ck / "global_step_4").mkdir(parents=True)
     plan = RunPlan(checkpoint_dir=ck, save_freq=4, total_steps=40, keep=None, length_surge=LengthSurgeConfig(),
                    scheduler="length_surge", rollout_seed=None)
-    state = {"after": 8, "rules": [{"decay_from_step": 8}]}
+    state = GuardState.start(["python", "-m", "verl.trainer.main_ppo"], str(tmp_path), GuardOptions())
+    state.after, state.rules = 8, [Rule(**RULE)]  # rolled back to step 8
     problem = resume_problem(plan, state, logged=10, complete=[4], run_dir=tmp_path / "run")
     assert problem is not None and str(ck / "global_step_8") in problem and "no later complete one" in problem
     assert "Nothing was changed" in problem and f"lrstab guard --resume {tmp_path / 'run'}" in problem
@@ -255,4 +301,5 @@ def test_resume_is_refused_when_the_rollbacks_own_checkpoint_is_gone_and_no_late
     # a later complete checkpoint (verl saved past the rollback's step) is one to continue from
     assert resume_problem(plan, state, logged=14, complete=[4, 12], run_dir=tmp_path / "run") is None
     # before any rollback, a run that lost nothing it needs resumes as verl would
-    assert resume_problem(plan, {"after": None, "rules": []}, logged=6, complete=[4], run_dir=tmp_path / "run") is None
+    fresh = GuardState.start(["python", "-m", "verl.trainer.main_ppo"], str(tmp_path), GuardOptions())
+    assert resume_problem(plan, fresh, logged=6, complete=[4], run_dir=tmp_path / "run") is None

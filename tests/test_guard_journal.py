@@ -27,7 +27,7 @@ import torch
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 from verl_lrstab.guard.plan import checkpoint_complete, read_tracker
-from verl_lrstab.guard.state import load_state
+from verl_lrstab.guard.run_state import load_state
 from verl_lrstab.guard.supervisor import Guard
 
 STANDIN = Path(__file__).resolve().parent / "standin"
@@ -75,8 +75,8 @@ def make_case(pristine: Path, tmp: Path):
     guard = Guard(command(tmp / "ckpt"), run_dir=tmp / "guard", env=standin_env(tmp), cwd=tmp)
     guard.state = guard._new_state()
     dest = guard._fresh_dir("attempt", 1)
-    guard.state["segments"] = [[str(dest / "metrics.jsonl"), 1]]  # as the supervisor decides a rollback
-    guard.state["pending"] = guard._pending(KEEP, dest, segment=str(tmp / "segment-1.jsonl"), skip=SKIP)
+    guard.state.segments = [(str(dest / "metrics.jsonl"), 1)]  # as the supervisor decides a rollback
+    guard.state.pending = guard._pending(KEEP, dest, segment=str(tmp / "segment-1.jsonl"), skip=SKIP)
     return guard
 
 
@@ -203,7 +203,7 @@ def test_a_fault_at_any_step_of_a_rollback_loses_and_rewrites_no_checkpoint(pris
                 assert read_tracker(tmp / "ckpt") == STEPS and not (tmp / "guard" / "abandoned").exists()
                 continue
             guard._finish_pending()
-            assert guard.state["pending"] is None
+            assert guard.state.pending is None
             assert_nothing_lost_or_rewritten(tmp)
             assert_finished(tmp, guard)
         finally:

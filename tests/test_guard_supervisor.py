@@ -443,7 +443,8 @@ def test_a_second_guard_on_the_same_run_folder_is_refused_naming_the_first(tmp_p
 @pytest.mark.parametrize("damage,message", [
     (lambda st: st.pop("rules"), "the key 'rules' is missing"),
     (lambda st: st.update(attempt=-1), "the key 'attempt' is -1, expected an integer >= 0"),
-    (lambda st: st.update(segments=[["a"]]), "the key 'segments' is [['a']]"),
+    (lambda st: st.update(segments=[["a"]]), "the key 'segments[0]' is ['a'], expected a list [text, an integer]"),
+    (lambda st: st["rules"].append({"checkpoint_step": 8}), "the key 'rules[0].decay_from_step' is missing"),
 ])
 def test_a_damaged_guard_state_is_refused_naming_the_file_and_key(tmp_path, damage, message):
     run = Run(tmp_path, {"hang_at": {"1": 5}})

@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping, Optional, Union
 
-from verl_lrstab.typed_state import is_integer
+from verl_lrstab.dataclass_reader import is_integer
 
 SCHEDULER_NAME = "length_surge"
 ORIGINS = ("start", "surge")

@@ -38,7 +38,7 @@ from typing import Any, Mapping, Optional, Union, cast
 
 from verl_lrstab._numbers import finite_float
 from verl_lrstab.config import LengthSurgeConfig, options_for
-from verl_lrstab.typed_state import Row, from_state, require
+from verl_lrstab.dataclass_reader import Row, from_state, require
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -509,7 +509,7 @@ class CusumDetector:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; a state this detector cannot read (a field missing, unknown or of another
-        type) raises :class:`~verl_lrstab.typed_state.StateFieldError` naming the field."""
+        type) raises :class:`~verl_lrstab.dataclass_reader.StateFieldError` naming the field."""
         s = from_state(CusumState, state, "detector")
         self.rows, self.alarm, self._cusum = s.rows, s.alarm, s.cusum
         self.surge_steps, self.fired_by = s.surge_steps, s.fired_by

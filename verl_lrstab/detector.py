@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional, Union, cast
 
 from verl_lrstab._numbers import finite_float
 from verl_lrstab.config import LengthSurgeConfig, options_for
-from verl_lrstab.typed_state import Row, from_state, require
+from verl_lrstab.dataclass_reader import Row, from_state, require
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -169,7 +169,7 @@ class SurgeDetector:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; a state this detector cannot read (a field missing, unknown or of another
-        type) raises :class:`~verl_lrstab.typed_state.StateFieldError` naming the field."""
+        type) raises :class:`~verl_lrstab.dataclass_reader.StateFieldError` naming the field."""
         s = from_state(RatioState, state, "detector")
         self._history = [(step, value) for step, value in s.history]
         self._first_step, self._first_values, self._streak_start = s.first_step, s.first_values, s.streak_start

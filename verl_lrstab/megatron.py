@@ -25,7 +25,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from verl_lrstab.config import OPTIM_KEY, SCHEDULER_NAME, LengthSurgeConfig
 from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule, UpdateFigures, cosignal_figures
-from verl_lrstab.state_checks import check_megatron_scheduler_state
+from verl_lrstab.scheduler_state_checks import check_megatron_scheduler_state
 
 logger = logging.getLogger("verl_lrstab")
 

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import torch
 
 from verl_lrstab.collective import all_reduce_or_none, collective_device
-from verl_lrstab.typed_state import is_integer, is_number
+from verl_lrstab.dataclass_reader import is_integer, is_number
 
 logger = logging.getLogger("verl_lrstab")
 

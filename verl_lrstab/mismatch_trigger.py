@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional, Union
 
 from verl_lrstab._numbers import finite_float
 from verl_lrstab.config import LengthSurgeConfig, options_for
-from verl_lrstab.typed_state import from_state, require
+from verl_lrstab.dataclass_reader import from_state, require
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -131,7 +131,7 @@ class MismatchTrigger:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (a field missing, unknown or of another type raises
-        :class:`~verl_lrstab.typed_state.StateFieldError` naming it). A fixed ``mismatch_budget`` given now
+        :class:`~verl_lrstab.dataclass_reader.StateFieldError` naming it). A fixed ``mismatch_budget`` given now
         still wins over a calibrated one."""
         s = from_state(MismatchTriggerState, state, "mismatch_trigger")
         self._calibration, self.baseline, self._calibrated_budget = s.calibration, s.baseline, s.calibrated_budget

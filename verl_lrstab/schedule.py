@@ -26,7 +26,7 @@ from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig
 from verl_lrstab.cusum import CusumDetector, CusumState
 from verl_lrstab.detector import RatioState, SurgeDetector
 from verl_lrstab.mismatch_trigger import MismatchTrigger, MismatchTriggerState
-from verl_lrstab.typed_state import from_state, is_integer, require
+from verl_lrstab.dataclass_reader import from_state, is_integer, require
 
 #: The detectors by ``length_surge.detector`` (one interface: ``update``, ``observe``, ``metrics``, ``reads``,
 #: ``state_dict``), and the dataclasses their states are.
@@ -215,7 +215,7 @@ class LengthSurgeSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (read as :class:`ScheduleState`: a field missing, unknown or of another type
-        raises :class:`~verl_lrstab.typed_state.StateFieldError` naming it). A checkpoint without the mismatch
+        raises :class:`~verl_lrstab.dataclass_reader.StateFieldError` naming it). A checkpoint without the mismatch
         trigger's state (written with ``trigger: length``) leaves this run's trigger to calibrate afresh."""
         saved = ScheduleState.from_state(state)
         if saved.detector_kind != self.config.detector:
@@ -385,7 +385,7 @@ class FedSchedule:
             logger.warning("verl_lrstab: the checkpoint at update %s was saved by another LR schedule (it has no "
                            "length_surge state): the surge detector starts afresh from there", step)
             return
-        saved = own["options"]  # every option (checked with the state: verl_lrstab.state_checks)
+        saved = own["options"]  # every option (checked with the state: verl_lrstab.scheduler_state_checks)
         if saved["origin"] != self.config.origin and not self.config.is_given("origin"):
             # origin left unset: a running schedule keeps the rule it was started with
             logger.warning("verl_lrstab: the checkpoint at update %s was written with origin %r; this run's "

@@ -11,7 +11,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule, UpdateFigures, cosignal_figures
-from verl_lrstab.state_checks import check_lr_scheduler_state
+from verl_lrstab.scheduler_state_checks import check_lr_scheduler_state
 
 logger = logging.getLogger("verl_lrstab")
 

@@ -12,7 +12,7 @@ import yaml
 from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig, option_docs
 from verl_lrstab.runs import RunError
 from verl_lrstab.schedule import ReplayResult
-from verl_lrstab.typed_state import is_integer
+from verl_lrstab.dataclass_reader import is_integer
 
 # Metric names as verl (and the peers whose exports people compare against) log them.
 LENGTH_METRICS = ("response_length/mean", "response_length", "completions/mean_length", "completions_mean_length")

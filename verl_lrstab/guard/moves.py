@@ -32,6 +32,7 @@ from typing import Optional
 from verl_lrstab.guard.files import GuardIOError, io_step
 from verl_lrstab.guard.plan import (TRACKER, GuardError, checkpoint_complete, read_tracker, step_folders,
                                     write_tracker)
+from verl_lrstab.guard.run_state import Pending
 
 LOCAL = "lrstab_abandoned"  # beside the checkpoints, on their file system: where a rename across file systems goes
 PARTIAL = ".lrstab-partial"  # a copy being written (never a ``global_step_N`` name: verl and the guard ignore it)
@@ -230,22 +231,23 @@ def _move_all(checkpoint_dir: Path, dest: Path, local: Path, progress: Progress,
             progress.left.remove(name)
 
 
-def carry_out(checkpoint_dir: Path, pending: dict, progress: Progress, contents=("model", "optimizer", "extra"),
-              local: Optional[Path] = None, batch_size: Optional[int] = None) -> None:
+def carry_out(checkpoint_dir: Path, pending: Pending, progress: Progress, contents=("model", "optimizer", "extra"),
+              batch_size: Optional[int] = None) -> None:
     """Make the moves of ``pending`` in the order of the module docstring, recording them in ``progress``.
 
     Args:
         checkpoint_dir: verl's ``trainer.default_local_dir``.
         pending: the journal entry: ``checkpoint_step`` (S), ``dest`` (the folder the abandoned
-            checkpoints go to), ``segment`` (the abandoned metrics file, or None), ``skip_batches``.
+            checkpoints go to), ``local`` (where a folder goes when ``dest`` is on another file system;
+            None: ``<checkpoint_dir>/lrstab_abandoned/<dest's name>``), ``segment`` (the abandoned
+            metrics file, or None), ``skip_batches``.
         progress: filled in as the moves are made.
         contents: the saved contents that make S complete (:func:`~.plan.checkpoint_complete`).
-        local: where a folder goes when ``dest`` is on another file system (default
-            ``<checkpoint_dir>/lrstab_abandoned/<dest's name>``).
         batch_size: sizes a batch for ``--skip-batches`` when ``data.pt`` cannot.
     """
-    scratch = bool(pending.get("scratch"))
-    step, dest = (-1 if scratch else pending["checkpoint_step"]), Path(pending["dest"])
+    scratch = pending.scratch
+    step, dest = (-1 if scratch else pending.checkpoint_step), Path(pending.dest)
+    local = Path(pending.local) if pending.local else checkpoint_dir / LOCAL / dest.name
     kept = checkpoint_dir / f"global_step_{step}"
     progress.tracker_before = read_tracker(checkpoint_dir)
     progress.left = [f"global_step_{s}" for s in step_folders(checkpoint_dir) if s > step]
@@ -255,7 +257,7 @@ def carry_out(checkpoint_dir: Path, pending: dict, progress: Progress, contents=
                          "is refused with EBUSY), and verl would save over it; nothing was moved. Unmount it (or "
                          "copy its contents out and remove the folder), then continue with --resume")
     if scratch:  # --from-scratch, or nothing complete to keep: every folder aside, then the tracker
-        _move_all(checkpoint_dir, dest, local or checkpoint_dir / LOCAL / dest.name, progress)
+        _move_all(checkpoint_dir, dest, local, progress)
         tracker = checkpoint_dir / TRACKER
         if tracker.exists():
             with io_step("move verl's tracker aside to", dest / TRACKER):
@@ -273,8 +275,8 @@ def carry_out(checkpoint_dir: Path, pending: dict, progress: Progress, contents=
     progress.tracker_written = True
     with io_step("make the folder", dest):
         dest.mkdir(parents=True, exist_ok=True)
-    if pending.get("segment"):  # a rollback: the abandoned segment's metrics and log go with its checkpoints
-        seg, moved = Path(pending["segment"]), dest / "metrics.jsonl"
+    if pending.segment:  # a rollback: the abandoned segment's metrics and log go with its checkpoints
+        seg, moved = Path(pending.segment), dest / "metrics.jsonl"
         with io_step("move the abandoned segment's metrics to", moved):
             if seg.exists():
                 _move_file(seg, moved)
@@ -284,8 +286,8 @@ def carry_out(checkpoint_dir: Path, pending: dict, progress: Progress, contents=
         if log.exists() and not (dest / "verl.log").exists():
             with io_step("link verl's log to", dest / "verl.log"):
                 _link_or_copy(log, dest / "verl.log")
-    _move_all(checkpoint_dir, dest, local or checkpoint_dir / LOCAL / dest.name, progress, after=step)
-    if pending.get("skip_batches"):
+    _move_all(checkpoint_dir, dest, local, progress, after=step)
+    if pending.skip_batches:
         with io_step("move the dataloader position in", kept / "data.pt"):
-            skip_batches(kept, pending["skip_batches"], batch_size)
+            skip_batches(kept, pending.skip_batches, batch_size)
         progress.data_moved = True

@@ -22,6 +22,7 @@ from typing import Optional
 from verl_lrstab.guard.overrides import user_value
 from verl_lrstab.guard.plan import (TRACKER, GuardError, RunPlan, checkpoint_complete, read_tracker, step_folders,
                                     step_of)
+from verl_lrstab.guard.run_state import GuardState
 
 
 def _complete(plan: RunPlan, step: int) -> bool:
@@ -123,7 +124,7 @@ def _refuse(message: str):
     raise GuardError(message)
 
 
-def resume_problem(plan: RunPlan, state: dict, logged: int, complete: list[int], run_dir: Path) -> Optional[str]:
+def resume_problem(plan: RunPlan, state: GuardState, logged: int, complete: list[int], run_dir: Path) -> Optional[str]:
     """Why a guarded run cannot continue (``--resume``, or the same command again) from the checkpoint
     folder as it is, or None.
 
@@ -135,7 +136,7 @@ def resume_problem(plan: RunPlan, state: dict, logged: int, complete: list[int],
         run_dir: the run folder (named in the message).
     """
     ck = plan.checkpoint_dir
-    needs = state["after"] if state["after"] or state["rules"] else None
+    needs = state.after if state.after or state.rules else None
     saved = logged >= plan.save_freq  # verl had saved a checkpoint by then
     again = (f"Nothing was changed (the checkpoints, the run's state); once it is back: "
              f"lrstab guard --resume {run_dir}")

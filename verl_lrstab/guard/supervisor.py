@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -37,9 +38,9 @@ from verl_lrstab.guard.overrides import key_of, override, rejected_override, use
 from verl_lrstab.guard.plan import (GuardError, GuardOptions, RunPlan, log_failed_to_load,
                                     checkpoint_steps, choose_checkpoint, compounded_rule, decay_period_for,
                                     find_trouble, halvings_in_force, no_checkpoint_reason, plan_run, read_tracker,
-                                    resume_overrides, rollback_overrides, stale_tracker, step_folders, step_of)
+                                    resume_overrides, rollback_overrides, stale_tracker, step_folders, step_of, Trouble)
 from verl_lrstab.guard.preflight import first_launch, resume_problem, tracker_problem
-from verl_lrstab.guard.state import STATE, load_state
+from verl_lrstab.guard.run_state import STATE, GuardState, Pending, Rule, load_state
 from verl_lrstab.guard.watchdog import ENV_RUN, raise_on_signal, start_supervised, stop_group, stop_survivors
 from verl_lrstab.runs import read_metrics
 from verl_lrstab.schedule import num_decays
@@ -220,19 +221,19 @@ class Guard:
     def __init__(self, command: Optional[Sequence[str]], run_dir: Optional[Path] = None,
                  options: GuardOptions = GuardOptions(), env: Optional[dict] = None, cwd: Optional[Path] = None,
                  poll_s: float = 1.0, resume: bool = False):
-        self.state: Optional[dict] = None
+        self.state: Optional[GuardState] = None
         if resume:
             if run_dir is None:
                 raise GuardError("--resume needs the run folder: lrstab guard --resume RUN_DIR")
             self.state = load_state(Path(run_dir))
             if self.state is None:
                 raise GuardError(f"--resume {run_dir}: no {STATE} there (not a folder of an lrstab guard run)")
-            if command and list(command) != self.state["command"]:
-                raise GuardError(f"--resume {run_dir}: the command differs from the run's ({' '.join(self.state['command'])}); "
-                                 "give no command with --resume")
-            command = self.state["command"]
-            options = GuardOptions(**self.state["options"])
-            cwd = Path(self.state["cwd"])
+            if command and list(command) != self.state.command:
+                raise GuardError(f"--resume {run_dir}: the command differs from the run's "
+                                 f"({' '.join(self.state.command)}); give no command with --resume")
+            command = self.state.command
+            options = self.state.options
+            cwd = Path(self.state.cwd)
         self.launcher, self.overrides = split_command(command or [])
         self.options, self.poll_s = options, poll_s
         self.cwd = Path(cwd or os.getcwd()).resolve()
@@ -267,15 +268,15 @@ class Guard:
             self.events = EventLog(self.run_dir / EVENTS)
             if self.state is None:
                 self.state = load_state(self.run_dir)
-                if self.state is not None and self.state["command"] != self.launcher + self.overrides:
+                if self.state is not None and self.state.command != self.launcher + self.overrides:
                     raise GuardError(f"--run-dir {self.run_dir} holds another command's guarded run; pass another "
                                      f"--run-dir, or continue that one with lrstab guard --resume {self.run_dir}")
-            if self.state is not None and self.state["status"] == "failed" and not resume:
+            if self.state is not None and self.state.status == "failed" and not resume:
                 raise GuardError(f"--run-dir {self.run_dir}: its guarded run failed (verl failed and its restarts were "
                                  "used up); once the cause is fixed, continue it on its LR rule with lrstab guard "
                                  f"--resume {self.run_dir}, or pass another --run-dir for a new run")
-            if self.state is not None and self.state["status"] not in ("running", "failed"):
-                raise GuardError(f"--run-dir {self.run_dir}: its guarded run already ended ({self.state['status']}); "
+            if self.state is not None and self.state.status not in ("running", "failed"):
+                raise GuardError(f"--run-dir {self.run_dir}: its guarded run already ended ({self.state.status}); "
                                  "pass another --run-dir for a new run")
             # one guard per checkpoint folder, whatever its run folder; a continued run whose checkpoint
             # folder is missing (not mounted yet) takes it in run(), once it is known not to be refused
@@ -312,13 +313,13 @@ class Guard:
             state = load_state(Path(other))
         except GuardError:
             return
-        if not state or state["status"] not in ("running", "failed") or not state["rules"]:
+        if not state or state.status not in ("running", "failed") or not state.rules:
             return
-        rule = state["rules"][-1]
+        rule = state.rules[-1]
         self._checkpoints.restore_previous()
         raise GuardError(f"trainer.default_local_dir={self.plan.checkpoint_dir}: its checkpoints belong to the guarded "
-                         f"run of {other} ({state['status']}), whose rollback to step {rule['checkpoint_step']} set the "
-                         f"LR rule decay_from_step={rule['decay_from_step']}, decay_period={rule['decay_period']}; a new "
+                         f"run of {other} ({state.status}), whose rollback to step {rule.checkpoint_step} set the "
+                         f"LR rule decay_from_step={rule.decay_from_step}, decay_period={rule.decay_period}; a new "
                          f"run folder would relaunch verl without it. Continue that run: lrstab guard --resume {other} "
                          "(or pass --from-scratch to move its checkpoints aside and train from step 0)")
 
@@ -333,7 +334,7 @@ class Guard:
 
     # -- the persisted state -----------------------------------------------------------------------
     @property
-    def _st(self) -> dict:
+    def _st(self) -> GuardState:
         """The run's state, once there is one: loaded in ``__init__``, else made by :meth:`run` before
         anything reads it."""
         if self.state is None:
@@ -342,14 +343,10 @@ class Guard:
 
     def _save(self) -> None:
         with io_step("write the guard's state", self.run_dir / STATE):
-            write_atomic(self.run_dir / STATE, json.dumps(self.state, indent=1))
+            write_atomic(self.run_dir / STATE, self._st.to_json())
 
-    def _new_state(self) -> dict:
-        from dataclasses import asdict
-
-        return {"version": 2, "status": "running", "command": self.launcher + self.overrides, "cwd": str(self.cwd),
-                "options": asdict(self.options), "attempt": 0, "restarts": 0, "resumed_at": None, "after": 0,
-                "rules": [], "segments": [], "bad_checkpoints": [], "pending": None}
+    def _new_state(self) -> GuardState:
+        return GuardState.start(self.launcher + self.overrides, str(self.cwd), self.options)
 
     def _complete(self, exclude=()) -> list[int]:
         return checkpoint_steps(self.plan.checkpoint_dir, self.plan.save_contents,
@@ -377,7 +374,7 @@ class Guard:
             if isinstance(code, int) and code > 128:
                 try:
                     self.events.write("stopped", None, signal=signal.Signals(code - 128).name, status=code,
-                                      attempt=self.state["attempt"] if self.state else 0)
+                                      attempt=self.state.attempt if self.state else 0)
                 except (GuardIOError, ValueError):
                     pass
                 say(f"lrstab guard: stopped by {signal.Signals(code - 128).name}; verl stopped; continue with "
@@ -406,15 +403,15 @@ class Guard:
         return STATUS_IO_ERROR
 
     def _end(self, status: str, code: int) -> int:
-        self._st["status"] = status
+        self._st.status = status
         self._save()
         return code
 
     def _finish(self, records: dict[int, dict]) -> int:
         st = self._st
         final = self._write_final(records)
-        self.events.write("done", max(records, default=0), metrics=str(final), rollbacks=st["attempt"],
-                          restarts=st["restarts"])
+        self.events.write("done", max(records, default=0), metrics=str(final), rollbacks=st.attempt,
+                          restarts=st.restarts)
         return self._end("done", 0)
 
     def _warn_stale_tracker(self) -> None:
@@ -433,138 +430,195 @@ class Guard:
     def _run(self) -> int:
         for w in self.plan.warnings:
             logger.warning("lrstab guard: %s", w)
-        st = self.state
-        if st is None:
-            st = self.state = self._new_state()
-            self.events.write("start", 0, command=self.launcher + self.overrides, run_dir=str(self.run_dir),
-                              checkpoints=str(self.plan.checkpoint_dir), save_freq=self.plan.save_freq,
-                              max_rollbacks=self.options.max_rollbacks, warnings=self.plan.warnings)
-            self._warn_stale_tracker()
+        if self.state is None:
+            self._start()
             target = None  # the user's own resume_mode on the first launch
-            checked = self._first
-            assert checked is not None  # __init__ checks the first launch of every new run
-            if checked.scratch:
-                self._set_aside(None, "before-start")
-            elif checked.keep is not None:  # verl would save over the folders after its resume step
-                self._set_aside(checked.keep, "before-start")
         else:
             records = self._trajectory()
-            if (not st["pending"] and self.plan.total_steps is not None
+            if (not self._st.pending and self.plan.total_steps is not None
                     and max(records, default=0) >= self.plan.total_steps):
                 return self._finish(records)  # verl had finished; the guard died writing the result
-            problem = resume_problem(self.plan, st, max(records, default=0),
-                                     self._complete(exclude=st["bad_checkpoints"]), self.run_dir)
-            if problem:  # checked before anything moves: the run stays resumable as it is
-                raise GuardError(problem)
-            if not self._checkpoints.held:
-                self._lock_checkpoints()
-            self._finish_pending()  # a set-aside the dead guard had decided but not finished
-            problem = tracker_problem(self.plan)
-            if problem:
-                raise GuardError(problem)
-            self._warn_stale_tracker()
-            target = self._newest(st)
-            after_failure = st["status"] == "failed"
-            if after_failure:  # the cause fixed: a fresh --max-restarts, the same LR rule (saved before the launch)
-                st["status"], st["restarts"] = "running", 0
-            self.events.write("resumed", target or 0, checkpoint_step=target, attempt=st["attempt"],
-                              rule=st["rules"][-1] if st["rules"] else None, after_failure=after_failure)
-            say(f"lrstab guard: continuing the guarded run of {self.run_dir} from the checkpoint at step "
-                f"{target} (rollbacks so far: {st['attempt']})")
+            target = self._continue(records)
+        return self._supervise(target)
+
+    def _start(self) -> None:
+        """A new run: its state made, the folders verl would save over moved aside (``__init__`` checked
+        the first launch: :func:`.preflight.first_launch`)."""
+        self.state = self._new_state()
+        self.events.write("start", 0, command=self.launcher + self.overrides, run_dir=str(self.run_dir),
+                          checkpoints=str(self.plan.checkpoint_dir), save_freq=self.plan.save_freq,
+                          max_rollbacks=self.options.max_rollbacks, warnings=self.plan.warnings)
+        self._warn_stale_tracker()
+        checked = self._first
+        assert checked is not None  # __init__ checks the first launch of every new run
+        if checked.scratch:
+            self._set_aside(None, "before-start")
+        elif checked.keep is not None:  # verl would save over the folders after its resume step
+            self._set_aside(checked.keep, "before-start")
+
+    def _continue(self, records: dict[int, dict]) -> Optional[int]:
+        """A run continued (``--resume``, or the same command again): the checkpoint folder checked, a
+        set-aside the dead guard had decided finished; returns the step to resume from (None: from scratch)."""
+        st = self._st
+        problem = resume_problem(self.plan, st, max(records, default=0),
+                                 self._complete(exclude=st.bad_checkpoints), self.run_dir)
+        if problem:  # checked before anything moves: the run stays resumable as it is
+            raise GuardError(problem)
+        if not self._checkpoints.held:
+            self._lock_checkpoints()
+        self._finish_pending()  # a set-aside the dead guard had decided but not finished
+        problem = tracker_problem(self.plan)
+        if problem:
+            raise GuardError(problem)
+        self._warn_stale_tracker()
+        target = self._newest(st)
+        after_failure = st.status == "failed"
+        if after_failure:  # the cause fixed: a fresh --max-restarts, the same LR rule (saved before the launch)
+            st.status, st.restarts = "running", 0
+        self.events.write("resumed", target or 0, checkpoint_step=target, attempt=st.attempt,
+                          rule=asdict(st.rules[-1]) if st.rules else None, after_failure=after_failure)
+        say(f"lrstab guard: continuing the guarded run of {self.run_dir} from the checkpoint at step "
+            f"{target} (rollbacks so far: {st.attempt})")
+        return target
+
+    def _supervise(self, target: Optional[int]) -> int:
+        """Launch verl from ``target`` and answer the end of each launch (a trouble: a rollback; a failed
+        load: an older checkpoint; a crash: a restart) until the run is done, given up or failed; returns
+        the exit status."""
+        st = self._st
         resume_tries, limit = 0, None  # tries of the current decision; the newest step it may use
         while True:
-            # a new number for each launch (a launch that logged nothing still left its .log)
-            k = max(_next_index(self.run_dir, "segment-{}.jsonl"), _next_index(self.run_dir, "segment-{}.log"))
-            seg = self.run_dir / f"segment-{k}.jsonl"
-            first = (target if target is not None else 0 if self._first and self._first.scratch
-                     else self._user_start()) + 1
-            st["segments"].append([str(seg), first])
-            st["resumed_at"] = target
-            self._save()
-            trouble, rc = self._launch(seg, self._extra(target), after=st["after"])
+            seg = self._new_segment(target)
+            trouble, rc = self._launch(seg, self._extra(target), after=st.after)
             records = self._trajectory()
             if trouble is None and rc == 0:
                 return self._finish(records)
             if trouble is None:
-                log = seg.with_suffix(".log")
-                loaded = target if target is not None else (self._user_start() or None)  # the first launch's own
-                if loaded is not None and not read_metrics(seg) and log_failed_to_load(log):
-                    # the checkpoint did not load (verl says so, or died while loading): try the next older one
-                    target = loaded
-                    st["bad_checkpoints"].append(target)
-                    older = [s for s in self._complete(exclude=st["bad_checkpoints"]) if s < target
-                             and (limit is None or s <= limit)]
-                    if resume_tries + 1 >= self.options.max_resume_tries:
-                        older = []
-                    self.events.write("resume_failed", target, checkpoint_step=target, returncode=rc, log=str(log),
-                                      next_checkpoint=max(older, default=None))
-                    if older:
-                        resume_tries += 1
-                        if st["rules"] and st["rules"][-1]["checkpoint_step"] == target:  # a rollback's resume
-                            rule = st["rules"].pop()
-                            self._push_rule(max(older), rule["base_period"], records)
-                            st["after"] = max(older)
-                            target = self._retarget(max(older), self.options.skip_batches)
-                        else:
-                            target = self._retarget(max(older))
-                        continue
-                if st["restarts"] < self.options.max_restarts and self._complete(exclude=st["bad_checkpoints"]):
-                    st["restarts"] += 1
-                    resume_tries, limit = 0, None
-                    target = max(self._complete(exclude=st["bad_checkpoints"]))
-                    self._set_aside(target, "restart")
-                    self.events.write("restart", max(records, default=0), returncode=rc, checkpoint_step=target,
-                                      restarts=st["restarts"], log=str(log))
-                    say(f"lrstab guard: verl exited with status {rc} (log: {log}); restart {st['restarts']} "
-                        f"(--max-restarts {self.options.max_restarts}) from the checkpoint at step {target}")
+                older = self._resume_older(seg, rc, target, limit, resume_tries, records)
+                if older is not None:
+                    target, resume_tries = older, resume_tries + 1
                     continue
-                self._write_final(records)
-                self.events.write("failed", max(records, default=0), returncode=rc, log=str(log))
-                say(f"lrstab guard: verl exited with status {rc} (log: {log})")
-                return self._end("failed", STATUS_FAILED)
+                if st.restarts < self.options.max_restarts and self._complete(exclude=st.bad_checkpoints):
+                    target, resume_tries, limit = self._restart(seg, rc, records), 0, None
+                    continue
+                return self._fail(seg, rc, records)
             self.events.write(trouble.reason, trouble.step, onset_step=trouble.onset, surge_step=trouble.surge_step)
-            if st["attempt"] >= self.options.max_rollbacks:
-                self._write_final(records)
-                self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st["attempt"])
-                say(f"lrstab guard: {trouble.reason} at step {trouble.step} after {st['attempt']} rollback(s) "
-                    f"(--max-rollbacks {self.options.max_rollbacks}): stopping; the run and its checkpoints are in "
-                    f"{self.plan.checkpoint_dir}")
-                return self._end("gave_up", STATUS_GAVE_UP)
+            if st.attempt >= self.options.max_rollbacks:
+                return self._give_up(trouble, records)
             limit = trouble.onset - self.options.margin
-            ckpt = choose_checkpoint(self._complete(exclude=st["bad_checkpoints"]), trouble.onset, self.options.margin)
+            ckpt = choose_checkpoint(self._complete(exclude=st.bad_checkpoints), trouble.onset, self.options.margin)
             if ckpt is None:
-                why = no_checkpoint_reason(self._complete(), st["bad_checkpoints"], trouble.onset, self.options.margin)
-                self._write_final(records)
-                self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st["attempt"], why=why)
-                say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}), but {why} in "
-                    f"{self.plan.checkpoint_dir}: stopping")
-                return self._end("gave_up", STATUS_GAVE_UP)
-            if self.options.skip_batches:  # checked before anything moves (raises naming data.pt and the key)
-                skipped_data_state(self.plan.checkpoint_dir / f"global_step_{ckpt}", self.options.skip_batches,
-                                   self.plan.batch_size)
-            st["attempt"] += 1
-            resume_tries = 0
-            period = decay_period_for(trouble, self.plan.length_surge)
-            rule = self._push_rule(ckpt, period, records)
-            dest = self._fresh_dir("attempt", st["attempt"])
-            # the decision first (the state names the rollback and what to move), then the moves: a guard
-            # that dies or fails in between finishes them on --resume (_finish_pending)
-            st["segments"][-1][0] = str(dest / "metrics.jsonl")
-            st["after"], target = ckpt, ckpt
-            # the rollback event is part of the decision: written when the journal is carried out (once)
-            rollback = {"event": "rollback", "step": trouble.step, "id": f"rollback-{dest}", "checkpoint_step": ckpt,
-                        "onset_step": trouble.onset, "attempt": st["attempt"], "reason": trouble.reason,
-                        "decay_period": rule["decay_period"], "decay_from_step": rule["decay_from_step"],
-                        "halvings_at_checkpoint": rule["halvings"], "skip_batches": rule["skip_batches"],
-                        "abandoned_metrics": str(dest / "metrics.jsonl")}
-            st["pending"] = self._pending(ckpt, dest, segment=str(seg), skip=self.options.skip_batches,
-                                          events=[rollback])
-            self._save()
-            say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}): rollback "
-                f"{st['attempt']} to the checkpoint at step {ckpt}, LR x{self.plan.length_surge.gamma:g} of the LR "
-                f"in force there ({rule['halvings']} decay(s)), then every {rule['decay_period']} steps",
-                file=sys.stdout)
-            self._finish_pending()
+                why = no_checkpoint_reason(self._complete(), st.bad_checkpoints, trouble.onset, self.options.margin)
+                return self._give_up(trouble, records, why)
+            target, resume_tries = self._roll_back(trouble, ckpt, seg, records), 0
+
+    def _new_segment(self, target: Optional[int]) -> Path:
+        """The next launch's metrics file, recorded in the state (saved) with its first step."""
+        st = self._st
+        # a new number for each launch (a launch that logged nothing still left its .log)
+        k = max(_next_index(self.run_dir, "segment-{}.jsonl"), _next_index(self.run_dir, "segment-{}.log"))
+        seg = self.run_dir / f"segment-{k}.jsonl"
+        first = (target if target is not None else 0 if self._first and self._first.scratch
+                 else self._user_start()) + 1
+        st.segments.append((str(seg), first))
+        st.resumed_at = target
+        self._save()
+        return seg
+
+    def _resume_older(self, seg: Path, rc: int, target: Optional[int], limit: Optional[int], tries: int,
+                      records: dict[int, dict]) -> Optional[int]:
+        """After a launch that ended with no trouble and a non-zero ``rc``: when its checkpoint failed to
+        load (verl says so, or died while loading), that checkpoint is marked bad (``resume_failed``) and
+        the next older one is made the one to resume from (at or before ``limit`` for a rollback's; a
+        rollback's LR rule moves with it) and returned. None: the load did not fail, or no older
+        checkpoint is left to try (``--max-resume-tries``)."""
+        st = self._st
+        log = seg.with_suffix(".log")
+        loaded = target if target is not None else (self._user_start() or None)  # the first launch's own
+        if loaded is None or read_metrics(seg) or not log_failed_to_load(log):
+            return None
+        st.bad_checkpoints.append(loaded)
+        older = [s for s in self._complete(exclude=st.bad_checkpoints) if s < loaded
+                 and (limit is None or s <= limit)]
+        if tries + 1 >= self.options.max_resume_tries:
+            older = []
+        self.events.write("resume_failed", loaded, checkpoint_step=loaded, returncode=rc, log=str(log),
+                          next_checkpoint=max(older, default=None))
+        if not older:
+            return None
+        if st.rules and st.rules[-1].checkpoint_step == loaded:  # a rollback's resume
+            failed = st.rules.pop()
+            self._push_rule(max(older), failed.base_period, records)
+            st.after = max(older)
+            return self._retarget(max(older), self.options.skip_batches)
+        return self._retarget(max(older))
+
+    def _restart(self, seg: Path, rc: int, records: dict[int, dict]) -> int:
+        """A verl crash outside a rollback: restart from the newest complete checkpoint (returned), the
+        unfinished saves after it moved aside."""
+        st = self._st
+        log = seg.with_suffix(".log")
+        st.restarts += 1
+        target = max(self._complete(exclude=st.bad_checkpoints))
+        self._set_aside(target, "restart")
+        self.events.write("restart", max(records, default=0), returncode=rc, checkpoint_step=target,
+                          restarts=st.restarts, log=str(log))
+        say(f"lrstab guard: verl exited with status {rc} (log: {log}); restart {st.restarts} "
+            f"(--max-restarts {self.options.max_restarts}) from the checkpoint at step {target}")
+        return target
+
+    def _fail(self, seg: Path, rc: int, records: dict[int, dict]) -> int:
+        """verl failed, its restarts used up: status 4."""
+        log = seg.with_suffix(".log")
+        self._write_final(records)
+        self.events.write("failed", max(records, default=0), returncode=rc, log=str(log))
+        say(f"lrstab guard: verl exited with status {rc} (log: {log})")
+        return self._end("failed", STATUS_FAILED)
+
+    def _give_up(self, trouble: Trouble, records: dict[int, dict], why: Optional[str] = None) -> int:
+        """A trouble the guard does not answer: the rollbacks used up, or (``why``) no checkpoint answers
+        it. Status 3."""
+        st = self._st
+        self._write_final(records)
+        if why is None:
+            self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st.attempt)
+            say(f"lrstab guard: {trouble.reason} at step {trouble.step} after {st.attempt} rollback(s) "
+                f"(--max-rollbacks {self.options.max_rollbacks}): stopping; the run and its checkpoints are in "
+                f"{self.plan.checkpoint_dir}")
+        else:
+            self.events.write("gave_up", trouble.step, reason=trouble.reason, rollbacks=st.attempt, why=why)
+            say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}), but {why} in "
+                f"{self.plan.checkpoint_dir}: stopping")
+        return self._end("gave_up", STATUS_GAVE_UP)
+
+    def _roll_back(self, trouble: Trouble, ckpt: int, seg: Path, records: dict[int, dict]) -> int:
+        """Decide the rollback to ``ckpt`` (the LR rule, where the abandoned segment goes), write the
+        decision, then carry it out (:meth:`_finish_pending`); returns ``ckpt``, the step to resume from."""
+        st = self._st
+        if self.options.skip_batches:  # checked before anything moves (raises naming data.pt and the key)
+            skipped_data_state(self.plan.checkpoint_dir / f"global_step_{ckpt}", self.options.skip_batches,
+                               self.plan.batch_size)
+        st.attempt += 1
+        period = decay_period_for(trouble, self.plan.length_surge)
+        rule = self._push_rule(ckpt, period, records)
+        dest = self._fresh_dir("attempt", st.attempt)
+        # the decision first (the state names the rollback and what to move), then the moves: a guard
+        # that dies or fails in between finishes them on --resume (_finish_pending)
+        st.segments[-1] = (str(dest / "metrics.jsonl"), st.segments[-1][1])
+        st.after = ckpt
+        # the rollback event is part of the decision: written when the journal is carried out (once)
+        rollback = {"event": "rollback", "step": trouble.step, "id": f"rollback-{dest}", "checkpoint_step": ckpt,
+                    "onset_step": trouble.onset, "attempt": st.attempt, "reason": trouble.reason,
+                    "decay_period": rule.decay_period, "decay_from_step": rule.decay_from_step,
+                    "halvings_at_checkpoint": rule.halvings, "skip_batches": rule.skip_batches,
+                    "abandoned_metrics": str(dest / "metrics.jsonl")}
+        st.pending = self._pending(ckpt, dest, segment=str(seg), skip=self.options.skip_batches, events=[rollback])
+        self._save()
+        say(f"lrstab guard: {trouble.reason} at step {trouble.step} (onset {trouble.onset}): rollback "
+            f"{st.attempt} to the checkpoint at step {ckpt}, LR x{self.plan.length_surge.gamma:g} of the LR "
+            f"in force there ({rule.halvings} decay(s)), then every {rule.decay_period} steps", file=sys.stdout)
+        self._finish_pending()
+        return ckpt
 
     # -- what each launch resumes from -------------------------------------------------------------
     def _user_start(self) -> int:
@@ -575,10 +629,10 @@ class Guard:
             return step_of(Path(user_value(self.overrides, "trainer.resume_from_path") or "").name) or 0
         return 0
 
-    def _newest(self, st: dict) -> Optional[int]:
+    def _newest(self, st: GuardState) -> Optional[int]:
         """After the guard's own death: the newest complete checkpoint of this run (None: from scratch,
         the unfinished saves moved aside; :func:`.preflight.resume_problem` refused the rest)."""
-        steps = self._complete(exclude=st["bad_checkpoints"])
+        steps = self._complete(exclude=st.bad_checkpoints)
         if steps:
             return self._retarget(max(steps))
         if step_folders(self.plan.checkpoint_dir):
@@ -590,43 +644,42 @@ class Guard:
         return step
 
     def _pending(self, step: Optional[int], dest: Path, segment: Optional[str] = None, skip: int = 0,
-                 events: Sequence[dict] = ()) -> dict:
+                 events: Sequence[dict] = ()) -> Pending:
         """The journal entry of a set-aside (:mod:`.moves`): keep ``step`` (None: nothing, from scratch);
         ``events``: written (each once) before the moves are made."""
-        return {"checkpoint_step": step or 0, "scratch": step is None, "dest": str(dest),
-                "local": str(local_dir(self.plan.checkpoint_dir, self.run_dir, dest)), "segment": segment,
-                "skip_batches": skip, "events": list(events)}
+        return Pending(checkpoint_step=step or 0, scratch=step is None, dest=str(dest),
+                       local=str(local_dir(self.plan.checkpoint_dir, self.run_dir, dest)), segment=segment,
+                       skip_batches=skip, events=list(events))
 
     def _set_aside(self, step: Optional[int], kind: str, skip: int = 0) -> None:
         """Move the ``global_step_N`` folders after ``step`` (all of them when None) aside to a fresh
         ``abandoned/<kind>-K``; the tracker names ``step`` (and with ``skip``, move ``step``'s
         dataloader position on). Journaled: see :meth:`_finish_pending`."""
-        k = self._st["restarts"] if kind == "restart" else None
-        self._st["pending"] = self._pending(step, self._fresh_dir(kind, k), skip=skip)
+        k = self._st.restarts if kind == "restart" else None
+        self._st.pending = self._pending(step, self._fresh_dir(kind, k), skip=skip)
         self._save()
         self._finish_pending()
 
     def _finish_pending(self) -> None:
         """Carry out the set-aside the state names (``pending``; :func:`.moves.carry_out`), then clear
         it. Every part can be redone, so a guard that died or failed midway finishes it on ``--resume``."""
-        pending = self._st.get("pending")
-        if not pending:
+        pending = self._st.pending
+        if pending is None:
             return
-        for event in pending.get("events") or []:  # the decision's own events (a rollback's), each once
+        for event in pending.events:  # the decision's own events (a rollback's), each once
             self.events.write(event["event"], event.get("step"),
                               **{k: v for k, v in event.items() if k not in ("event", "step")})
-        self._progress = Progress(self.plan.checkpoint_dir, pending["checkpoint_step"],
-                                  scratch=bool(pending.get("scratch")))
+        self._progress = Progress(self.plan.checkpoint_dir, pending.checkpoint_step, scratch=pending.scratch)
         carry_out(self.plan.checkpoint_dir, pending, self._progress, self.plan.save_contents,
-                  local=Path(pending["local"]) if pending.get("local") else None, batch_size=self.plan.batch_size)
+                  batch_size=self.plan.batch_size)
         # what this set-aside moved, those a guard that died midway moved included: its destination holds them
-        dest = Path(pending["dest"])
+        dest = Path(pending.dest)
         moved = {p.name: str(p.resolve()) for p in sorted(dest.iterdir()) if step_of(p.name) is not None} \
             if dest.is_dir() else {}
         if moved:
-            self.events.write("set_aside", None if pending.get("scratch") else pending["checkpoint_step"],
-                              id=f"set_aside-{dest}", dest=pending["dest"], moved=moved)
-        self._st["pending"] = None
+            self.events.write("set_aside", None if pending.scratch else pending.checkpoint_step,
+                              id=f"set_aside-{dest}", dest=pending.dest, moved=moved)
+        self._st.pending = None
         self._save()
         self._progress = None
 
@@ -638,36 +691,36 @@ class Guard:
             dest = root / f"{kind}-{_next_index(root, kind + '-{}')}"
         return dest
 
-    def _push_rule(self, ckpt: int, period: int, records: dict) -> dict:
+    def _push_rule(self, ckpt: int, period: int, records: dict) -> Rule:
         """The LR rule from ``ckpt`` on: one more decay than the one in force there (compounding)."""
         st = self._st
-        alive = [r for r in st["rules"] if r["checkpoint_step"] < ckpt]  # the rules of the kept trajectory
-        in_force = (alive[-1]["decay_from_step"], alive[-1]["decay_period"]) if alive else None
+        alive = [r for r in st.rules if r.checkpoint_step < ckpt]  # the rules of the kept trajectory
+        in_force = (alive[-1].decay_from_step, alive[-1].decay_period) if alive else None
         n = halvings_in_force(ckpt, records, in_force, self.plan.length_surge.gamma)
-        if st["rules"]:  # and below the rule of the segment that failed, at the same update (a replay compounds)
-            last = st["rules"][-1]
-            n = max(n, num_decays(ckpt + 1, last["decay_period"], "surge", last["decay_from_step"]))
+        if st.rules:  # and below the rule of the segment that failed, at the same update (a replay compounds)
+            last = st.rules[-1]
+            n = max(n, num_decays(ckpt + 1, last.decay_period, "surge", last.decay_from_step))
         start, p = compounded_rule(ckpt, period, n)
-        rule = {"checkpoint_step": ckpt, "decay_from_step": start, "decay_period": p, "halvings": n, "base_period": period,
-                "attempt": st["attempt"], "skip_batches": self.options.skip_batches}
-        st["rules"] = alive + [rule]
+        rule = Rule(checkpoint_step=ckpt, decay_from_step=start, decay_period=p, halvings=n, base_period=period,
+                    attempt=st.attempt, skip_batches=self.options.skip_batches)
+        st.rules = alive + [rule]
         return rule
 
     def _extra(self, target: Optional[int]) -> list[str]:
         """The overrides of a launch: none on the first (the user's resume_mode), else verl's resume
         from ``target`` (from scratch when None) and the LR rule in force."""
         st = self._st
-        if target is None and not st["segments"][:-1]:  # the first launch
+        if target is None and not st.segments[:-1]:  # the first launch
             scratch = self._first is not None and self._first.scratch and self.plan.resume_mode != "disable"
             return [override("trainer.resume_mode", "disable")] if scratch else []
         if target is None:
             return [override("trainer.resume_mode", "disable")]
-        rules = [r for r in st["rules"] if r["checkpoint_step"] <= target]
+        rules = [r for r in st.rules if r.checkpoint_step <= target]
         if not rules:
             return resume_overrides(self.plan.checkpoint_dir, target)
         r = rules[-1]
-        return rollback_overrides(self.plan.checkpoint_dir, target, r["decay_period"], r["attempt"], self.options,
-                                  self.plan, decay_from_step=r["decay_from_step"])
+        return rollback_overrides(self.plan.checkpoint_dir, target, r.decay_period, r.attempt, self.options,
+                                  self.plan, decay_from_step=r.decay_from_step)
 
     def _launch(self, seg: Path, extra: list[str], after: int):
         """Run verl once; stop it at the first trouble after ``after``. Returns ``(trouble, returncode)``."""
@@ -747,16 +800,14 @@ class Guard:
     def _options_now(self) -> GuardOptions:
         """A surge is answered once: the rollback starts the decay (the remedy for a surge); after it,
         only a reward crash or a non-finite loss rolls back again."""
-        if self._st["attempt"] > 0 and self.options.on_surge:
-            from dataclasses import replace
-
+        if self._st.attempt > 0 and self.options.on_surge:
             return replace(self.options, on_surge=False)
         return self.options
 
     def _trajectory(self) -> dict[int, dict]:
         """The run so far: each segment's steps, later segments replacing from where they resumed."""
         merged: dict[int, dict] = {}
-        for path, first in self._st["segments"]:
+        for path, first in self._st.segments:
             merged = {s: d for s, d in merged.items() if s < first}
             merged.update({s: d for s, d in self._read_segment(Path(path)).items() if s >= first})
         return merged

@@ -15,7 +15,7 @@ from verl_lrstab.cli import main
 from verl_lrstab.config import MAX_DECAY_PERIOD, LengthSurgeConfig
 from verl_lrstab.schedule import LengthSurgeSchedule
 from verl_lrstab.scheduler import LengthSurgeLR
-from verl_lrstab.state_checks import SchedulerStateError
+from verl_lrstab.scheduler_state_checks import SchedulerStateError
 
 KEY = "actor_rollout_ref.actor.optim.length_surge"
 FAST = {"detector": "ratio", "skip_first_steps": 0, "fast_window": 1, "baseline_window": 2, "horizon": 3, "patience": 1}
@@ -195,7 +195,7 @@ def test_the_detector_alone_refuses_what_it_cannot_read_naming_the_field():
     from verl_lrstab.cusum import CusumDetector
     from verl_lrstab.detector import SurgeDetector
     from verl_lrstab.mismatch_trigger import MismatchTrigger
-    from verl_lrstab.typed_state import StateFieldError
+    from verl_lrstab.dataclass_reader import StateFieldError
 
     state = cusum_state()["schedule"]["detector"]
     state["alarm"]["step"] = 31.0
@@ -233,7 +233,7 @@ def test_replay_refuses_negative_steps(tmp_path, capsys):
 
 def test_a_damaged_megatron_scheduler_state_is_refused_naming_the_step_and_field():
     pytest.importorskip("megatron.core", reason="needs megatron-core (make install-megatron)")
-    from verl_lrstab.state_checks import check_megatron_scheduler_state
+    from verl_lrstab.scheduler_state_checks import check_megatron_scheduler_state
 
     saved = trained_state()
     state = {"max_lr": 1e-6, "min_lr": 0.0, "num_steps": 12,
@@ -250,19 +250,20 @@ def test_a_damaged_megatron_scheduler_state_is_refused_naming_the_step_and_field
         check_megatron_scheduler_state(state)
 
 
-def test_the_typed_state_reader_imports_nothing_of_the_package_so_the_states_need_no_cycle():
-    # cusum, detector, mismatch_trigger and schedule read their states with typed_state; state_checks reads the
-    # schedule's state through schedule, so typed_state must import neither (an import cycle otherwise)
+def test_the_dataclass_reader_imports_nothing_of_the_package_so_the_states_need_no_cycle():
+    # cusum, detector, mismatch_trigger and schedule read their states with dataclass_reader; scheduler_state_checks
+    # reads the schedule's state through schedule, so dataclass_reader must import neither (an import cycle otherwise)
     import ast
     from pathlib import Path
 
-    import verl_lrstab.typed_state as typed_state
+    import verl_lrstab.dataclass_reader as dataclass_reader
 
     def imports(module: str) -> set:
-        tree = ast.parse((Path(typed_state.__file__).parent / f"{module}.py").read_text())
+        tree = ast.parse((Path(dataclass_reader.__file__).parent / f"{module}.py").read_text())
         return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
 
-    assert not {m for m in imports("typed_state") if m and m.startswith("verl_lrstab")}
+    assert not {m for m in imports("dataclass_reader") if m and m.startswith("verl_lrstab")}
     for module in ("cusum", "detector", "mismatch_trigger", "schedule"):
-        assert "verl_lrstab.typed_state" in imports(module) and "verl_lrstab.state_checks" not in imports(module), module
+        assert "verl_lrstab.dataclass_reader" in imports(module), module
+        assert "verl_lrstab.scheduler_state_checks" not in imports(module), module

@@ -1,9 +1,10 @@
 """Typed states: a dataclass read back from its plain form (``dataclasses.asdict``), each field checked.
 
 The detector's, the mismatch trigger's and the schedule's states are dataclasses saved as plain types (what
-``torch.load(weights_only=True)`` gives back). :func:`from_state` reads one back: every field present and
-known, each of its annotated type, the dataclass's own bounds (:func:`require`) met; anything else is one
-:class:`StateFieldError` naming the field. No older state format is read.
+``torch.load(weights_only=True)`` gives back), the guard's run state one saved as JSON. :func:`from_state`
+reads one back: every field present and known, each of its annotated type, the dataclass's own bounds
+(:func:`require`) met; anything else is one :class:`StateFieldError` naming the field. No older state format
+is read.
 
 Pure: plain Python, no other module of the package.
 """
@@ -61,9 +62,10 @@ Row = Tuple[int, float]
 
 def from_state(cls: type, state: Any, path: str = "") -> Any:
     """The dataclass ``cls`` from its plain form (``dataclasses.asdict``): every field present and known, each
-    value of its annotated type (``int``, ``float``, ``str``, ``Optional``, ``list``, ``dict[str, ...]``,
-    :data:`Row`, a nested dataclass), the dataclass's own bounds (``__post_init__``, :func:`require`)
-    met. Anything else raises :class:`StateFieldError` naming the field as ``path.field``."""
+    value of its annotated type (``int``, ``float``, ``str``, ``bool``, ``Optional``, ``list``,
+    ``dict[str, ...]``, :data:`Row`, a fixed ``Tuple[...]`` saved as a list, a nested dataclass; ``Any``: a
+    value kept as it is), the dataclass's own bounds (``__post_init__``, :func:`require`) met. Anything else
+    raises :class:`StateFieldError` naming the field as ``path.field``."""
     return _read(cls, state, path)
 
 
@@ -100,6 +102,10 @@ def _read(kind, value, path: str):
         if not (isinstance(value, (list, tuple)) and len(value) == 2 and is_integer(value[0]) and is_finite(value[1])):
             raise StateFieldError(name, value, "a row [integer step, finite value]")
         return [value[0], value[1]]
+    if origin is tuple:  # a fixed tuple (JSON saves it as a list): e.g. ``Tuple[str, int]``
+        if not (isinstance(value, (list, tuple)) and len(value) == len(args)):
+            raise StateFieldError(name, value, f"a list [{', '.join(_what(a, one=True) for a in args)}]")
+        return tuple(_read(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise StateFieldError(name, value, f"a list of {_what(args[0])}")
@@ -108,6 +114,8 @@ def _read(kind, value, path: str):
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise StateFieldError(name, value, f"a mapping of names to {_what(args[1])}")
         return {k: _read(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    if kind is Any:
+        return value
     if kind is int and not is_integer(value):
         raise StateFieldError(name, value, "an integer")
     if kind is float and not is_number(value):
@@ -119,9 +127,13 @@ def _read(kind, value, path: str):
     return value
 
 
-def _what(kind) -> str:
+def _what(kind, one: bool = False) -> str:
     if kind is Row:
-        return "rows [integer step, finite value]"
+        return "a row [integer step, finite value]" if one else "rows [integer step, finite value]"
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-        return f"{kind.__name__} mappings"
-    return {int: "integers", float: "numbers", str: "text", bool: "true or false"}.get(kind, str(kind))
+        return f"a {kind.__name__} mapping" if one else f"{kind.__name__} mappings"
+    if kind is Any:
+        return "a value" if one else "values"
+    names = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("text", "text"),
+             bool: ("true or false", "true or false")}
+    return names[kind][0 if one else 1] if kind in names else str(kind)

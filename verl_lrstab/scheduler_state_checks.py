@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.schedule import ScheduleState
-from verl_lrstab.typed_state import MISSING, StateFieldError, is_finite, is_integer, shown
+from verl_lrstab.dataclass_reader import MISSING, StateFieldError, is_finite, is_integer, shown
 
 
 class SchedulerStateError(ValueError):
