@@ -19,6 +19,7 @@ are merged, the later value winning. Errors raise :class:`RunError` with a one-l
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import fnmatch
 import gzip
@@ -131,44 +132,60 @@ def find_metric(df: pd.DataFrame, candidates: Sequence[str]) -> str | None:
 
 # -- readers -------------------------------------------------------------------------------------
 _WARNED: set = set()  # ((device, inode), line number) of the unreadable lines already warned about
+_LINE_SHAPE = '({"step": <int>, "data": {...}} expected)'
 
-
-def read_metrics(path: os.PathLike, name: os.PathLike | None = None) -> dict[int, dict]:
+def read_metrics(path: os.PathLike, name: os.PathLike | None = None, strict: bool = False) -> dict[int, dict]:
     """verl's file-logger JSONL (``{"step": N, "data": {...}}`` per line) as ``{step: data}``.
 
-    A line being written while we read (no newline yet) is ignored; lines of the same step are
-    merged (later values win). A whole line that is not of that shape (not JSON, ``data`` not a
-    mapping, ``step`` missing or not a finite whole number) is skipped with one warning naming the
-    file (``name``, when ``path`` is another way to it) and the line (once per line, however often
-    the file is read again).
+    Lines of the same step are merged, later values winning. A ``.gz`` file is read as it is.
+
+    Args:
+        path: the file.
+        name: the file's name in messages, when ``path`` is another way to it (a descriptor's).
+        strict: a line not of that shape (not JSON, ``data`` not a mapping, ``step`` missing or not a
+            finite whole number) raises :class:`RunError` naming the file and the line, and a missing
+            file raises too (a finished log, read whole). Else, the default (a log being written): a
+            missing file reads as empty, a last line without its newline that does not read whole is
+            still being written and ignored, and any other such line is skipped with one warning naming
+            the file and the line (once per line, however often the file is read again).
     """
     out: dict[int, dict] = {}
     path = Path(path)
     try:
-        text = path.read_text(errors="replace")
-        ident = (path.stat().st_dev, path.stat().st_ino)  # the same file when renamed (a guard's abandoned segment)
+        raw = open(path, "rb")
     except (FileNotFoundError, IsADirectoryError):
+        if strict:
+            raise RunError(f"{path}: no such file") from None
         return out
-    lines = text.split("\n")
-    for lineno, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line:
-            continue
-        last = lineno == len(lines)  # no newline after it: still being written unless it reads whole
-        try:
-            record = json.loads(line)
-            step, data = record["step"], record["data"]
-            if not isinstance(data, dict) or isinstance(step, bool):
-                raise TypeError
-            step = _as_step(step)
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            if not last and (ident, lineno) not in _WARNED:
-                _WARNED.add((ident, lineno))
-                shown = line if len(line) <= 80 else line[:77] + "..."
-                logger.warning("verl_lrstab: %s:%d: skipped, not a verl file-logger line "
-                               '({"step": <int>, "data": {...}} expected): %s', name or path, lineno, shown)
-            continue
-        out.setdefault(step, {}).update(data)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(raw)
+        info = os.fstat(raw.fileno())
+        ident = (info.st_dev, info.st_ino)  # the file, whatever its name now (a guard's abandoned segment)
+        # The bar (strict reads: load_run's) counts the bytes on disk (compressed ones for a .gz).
+        bar = stack.enter_context(_progress(path, total=info.st_size, unit="B", unit_scale=True)) if strict else None
+        f = stack.enter_context(gzip.open(raw, "rb")) if path.suffix == ".gz" else raw
+        for lineno, line in enumerate(_lines(f, path), 1):
+            if bar is not None:
+                bar.update(raw.tell() - bar.n)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8", "strict" if strict else "replace"))
+                step, data = record["step"], record["data"]
+                if not isinstance(data, dict) or isinstance(step, bool):
+                    raise TypeError
+                step = _as_step(step)
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+                if strict:
+                    raise RunError(f"{path}:{lineno}: not a verl file-logger line {_LINE_SHAPE}") from None
+                if line.endswith(b"\n") and (ident, lineno) not in _WARNED:  # no newline: still being written
+                    _WARNED.add((ident, lineno))
+                    text = line.decode("utf-8", "replace").strip()
+                    shown = text if len(text) <= 80 else text[:77] + "..."
+                    logger.warning("verl_lrstab: %s:%d: skipped, not a verl file-logger line %s: %s",
+                                   name or path, lineno, _LINE_SHAPE, shown)
+                continue
+            out.setdefault(step, {}).update(data)
     return out
 
 
@@ -215,24 +232,7 @@ def _progress(p: Path, **kw):
 
 
 def _read_jsonl(p: Path) -> pd.DataFrame:
-    rows: dict[int, dict] = {}
-    # The bar counts the bytes on disk (compressed ones for a .gz).
-    with open(p, "rb") as raw, _progress(p, total=p.stat().st_size, unit="B", unit_scale=True) as bar, \
-            (gzip.open(raw, "rb") if p.suffix == ".gz" else raw) as f:
-        for lineno, line in enumerate(_lines(f, p), 1):
-            bar.update(raw.tell() - bar.n)
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                step, data = rec["step"], rec["data"]
-                if not isinstance(data, dict) or isinstance(step, bool):
-                    raise TypeError
-                step = _as_step(step)
-            except (ValueError, KeyError, TypeError):
-                raise RunError(f"{p}:{lineno}: not a verl file-logger line "
-                               '({"step": <int>, "data": {...}} expected)') from None
-            rows.setdefault(step, {}).update(data)
+    rows = read_metrics(p, strict=True)
     if not rows:
         raise RunError(f"{p}: the file has no records")
     return pd.DataFrame.from_dict(rows, orient="index")
