@@ -15,6 +15,10 @@ The result is a :class:`pandas.DataFrame` indexed by ``step`` (int, sorted), one
 metric, named as logged (``response_length/mean``, ``actor/lr``, ``val-core/...``). Steps
 logged several times (verl logs validation and training metrics of a step in two calls)
 are merged, the later value winning. Errors raise :class:`RunError` with a one-line message.
+
+A row is read under its step label, except a training row of verl's fully-async trainer, which is
+read under the update (the sync cycle) it holds (:class:`UpdateKeys`): that trainer logs a cycle's
+figures one cycle late, under the next cycle's label.
 """
 
 from __future__ import annotations
@@ -134,10 +138,77 @@ def find_metric(df: pd.DataFrame, candidates: Sequence[str]) -> str | None:
 _WARNED: set = set()  # ((device, inode), line number) of the unreadable lines already warned about
 _LINE_SHAPE = '({"step": <int>, "data": {...}} expected)'
 
+#: verl's fully-async trainer: a training row's update counter, the weight version its batch was
+#: fetched under, and the rollouter's static figures that give the updates per sync cycle
+GLOBAL_STEP = "training/global_step"
+ASYNC_VERSION = "fully_async/count/current_param_version"
+ASYNC_STATIC = "fully_async/static/"
+
+
+class UpdateKeys:
+    """The step a row of a verl log is read under, fed the rows in the order they were logged.
+
+    A row is read under its label, except a training row of verl's fully-async trainer (it carries
+    ``training/global_step`` and ``fully_async/count/current_param_version``): that trainer logs a sync
+    cycle's figures when the next cycle ends, under the next cycle's label, and the last cycle's, when
+    ``test_freq`` > 0, under the same label again; after a resume its ``training/global_step`` runs one
+    ahead of the updates (it restarts at ``k * version + 2``). Such a row is read under the cycle whose
+    scheduler figures it holds: with ``k`` updates a cycle (``trigger_parameter_sync_step``, read from
+    the rollouter's ``fully_async/static/*`` figures; 1 where they are absent) and ``g`` its
+    ``training/global_step``, ``g // k``, or ``(g - 1) // k`` in a resumed launch. Each cycle is then
+    read once, in order; with ``k`` = 1 a cycle is one update and the key its number, as the run's
+    scheduler counts it. Rows without those keys (validation, the rollouter's timing; every row of
+    ``main_ppo`` and of the one-step-off trainer) are read under their label.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[int, bool] | None = None  # (label, resumed) of the previous fully-async training row
+
+    def __call__(self, label: int, data: dict) -> int:
+        step, version = _number(data.get(GLOBAL_STEP)), _number(data.get(ASYNC_VERSION))
+        if step is None or version is None:
+            return label
+        k = _updates_per_cycle(data)
+        # the row's last update is update j of its cycle: j = step - k * version, one more when resumed. A row
+        # in the cycle's course holds j = k - 1 (k = 1: j = 1, the cycle just ended), the last cycle's j = k.
+        j = int(step) - k * int(version)
+        if j != k or k == 1:
+            resumed = j > k
+        elif self._last is not None and self._last[0] == label:  # the last cycle's row, after its label's row
+            resumed = self._last[1]
+        else:
+            resumed = True
+        self._last = (label, resumed)
+        return (int(step) - int(resumed)) // k
+
+
+def _number(value) -> float | None:
+    """A logged figure as a finite float, None where it is absent or not a number (a table's NaN)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _updates_per_cycle(data: dict) -> int:
+    """``trigger_parameter_sync_step`` of a fully-async row: verl's rollouter logs ``max_required_samples``
+    = int(required_samples * (staleness_threshold + 1) * trigger_parameter_sync_step); 1 where it does not."""
+    required, most, staleness = (_number(data.get(ASYNC_STATIC + key))
+                                 for key in ("required_samples", "max_required_samples", "staleness_threshold"))
+    if not required or most is None or staleness is None or required * (staleness + 1) < 1:
+        return 1
+    # int() truncates by less than one sample: the quotient lies in (k - 1, k]
+    return max(1, math.ceil(most / (required * (staleness + 1)) - 1e-9))
+
+
 def read_metrics(path: os.PathLike, name: os.PathLike | None = None, strict: bool = False) -> dict[int, dict]:
     """verl's file-logger JSONL (``{"step": N, "data": {...}}`` per line) as ``{step: data}``.
 
-    Lines of the same step are merged, later values winning. A ``.gz`` file is read as it is.
+    Each line is read under its step (:class:`UpdateKeys`: a fully-async training row under the update
+    it holds); lines of the same step are merged, later values winning. A ``.gz`` file is read as it is.
 
     Args:
         path: the file.
@@ -151,6 +222,7 @@ def read_metrics(path: os.PathLike, name: os.PathLike | None = None, strict: boo
     """
     out: dict[int, dict] = {}
     path = Path(path)
+    keys = UpdateKeys()
     try:
         raw = open(path, "rb")
     except (FileNotFoundError, IsADirectoryError):
@@ -185,7 +257,7 @@ def read_metrics(path: os.PathLike, name: os.PathLike | None = None, strict: boo
                     logger.warning("verl_lrstab: %s:%d: skipped, not a verl file-logger line %s: %s",
                                    name or path, lineno, _LINE_SHAPE, shown)
                 continue
-            out.setdefault(step, {}).update(data)
+            out.setdefault(keys(step, data), {}).update(data)
     return out
 
 
@@ -238,6 +310,16 @@ def _read_jsonl(p: Path) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def _keyed_by_update(df: pd.DataFrame) -> pd.DataFrame:
+    """A table indexed by step label (a CSV's rows in the file's order, TensorBoard's by step) with its rows
+    under :class:`UpdateKeys`' steps, the rows of a step merged (the later value winning)."""
+    if GLOBAL_STEP in df.columns and ASYNC_VERSION in df.columns:
+        keys = UpdateKeys()
+        df = df.copy()
+        df.index = [keys(int(label), row) for label, row in zip(df.index, df.to_dict("records"))]
+    return df.groupby(level=0, sort=True).last()
+
+
 def _lines(f, p: Path):
     try:
         yield from f
@@ -271,7 +353,7 @@ def _read_csv(p: Path) -> pd.DataFrame:
     df = _tidy_wandb_columns(df).apply(_numeric_if_possible)
     df.index = steps
     # A step on several rows: merge them, the later value winning.
-    return df.groupby(level=0, sort=True).last()
+    return _keyed_by_update(df)
 
 
 def _tidy_wandb_columns(df: pd.DataFrame) -> pd.DataFrame:
@@ -327,7 +409,7 @@ def _read_tensorboard(d: Path) -> pd.DataFrame:
             columns.setdefault(tag, vals)
     if not columns:
         raise RunError(f"{run_dirs[0]}: the TensorBoard events hold no scalars")
-    return pd.DataFrame(columns)
+    return _keyed_by_update(pd.DataFrame(columns).sort_index())
 
 
 def _as_step(value) -> int:
