@@ -170,7 +170,7 @@ class UpdateKeys:
             return label
         k = _updates_per_cycle(data)
         # the row's last update is update j of its cycle: j = step - k * version, one more when resumed. A row
-        # in the cycle's course holds j = k - 1 (k = 1: j = 1, the cycle just ended), the last cycle's j = k.
+        # in the cycle's course holds j = k - 1, the last cycle's j = k; with k = 1 every row j = 1.
         j = int(step) - k * int(version)
         if j != k or k == 1:
             resumed = j > k
