@@ -162,12 +162,13 @@ def build_one_step_off(cfg):
     return trainer
 
 
-def test_one_step_off_runs_the_checks_at_its_own_init_and_is_async():
+@pytest.mark.parametrize("trigger", ["mismatch", "either"])
+def test_one_step_off_runs_the_checks_at_its_own_init_and_is_async(trigger):
     trainer = build_one_step_off(config(*ONE_STEP_OFF))
     assert driver.checked_async(trainer) is True
-    with pytest.raises(GlueError, match=r"trainer verl.experimental.one_step_off_policy.ray_trainer."
-                                        r"OneStepOffRayTrainer.*staleness"):
-        build_one_step_off(config(*ONE_STEP_OFF, *MISMATCH))
+    with pytest.raises(GlueError, match=rf"trigger='{trigger}' .*trainer verl.experimental.one_step_off_policy."
+                                        r"ray_trainer.OneStepOffRayTrainer.*staleness"):
+        build_one_step_off(config(*ONE_STEP_OFF, *MISMATCH, f"{OPTIM}.length_surge.trigger={trigger}"))
 
 
 def test_one_step_off_maps_its_versions_to_lags_as_its_syncs_happen():
@@ -203,12 +204,13 @@ def build_fully_async(cfg):
     return trainer
 
 
-def test_fully_async_runs_the_checks_at_its_init_and_is_async():
+@pytest.mark.parametrize("trigger", ["mismatch", "either"])
+def test_fully_async_runs_the_checks_at_its_init_and_is_async(trigger):
     trainer = build_fully_async(config("trainer.use_v1=true"))
     assert driver.checked_async(trainer) is True
-    with pytest.raises(GlueError, match=r"trainer verl.experimental.fully_async_policy.fully_async_trainer."
-                                        r"FullyAsyncTrainer.*staleness"):
-        build_fully_async(config(*MISMATCH))
+    with pytest.raises(GlueError, match=rf"trigger='{trigger}' .*trainer verl.experimental.fully_async_policy."
+                                        r"fully_async_trainer.FullyAsyncTrainer.*staleness"):
+        build_fully_async(config(*MISMATCH, f"{OPTIM}.length_surge.trigger={trigger}"))
 
 
 def test_fully_async_feeds_once_a_sync_cycle_and_counts_lags_from_the_old_log_prob_weights():

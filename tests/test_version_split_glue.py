@@ -155,3 +155,47 @@ def test_v1_async_versions_lag_behind_global_steps_minus_one_and_one_more_on_a_s
     assert versions.v1_lags(trainer, batch, index=1) == {4: 1, 3: 2}
     assert versions.flat({4: 0, 3: 1}) == [3, 1, 4, 0]
     assert version_lags(versions.flat({4: 0, 3: 1})) == {3: 1, 4: 0}
+
+
+# -- what is not split: rejection sampling and bypass mode --------------------------------------------------
+def every_token_k3() -> float:
+    every = [x for ds, _ in SAMPLES for x in ds]
+    return sum(map(k3, every)) / len(every)
+
+
+def test_with_rejection_sampling_an_async_step_logs_the_drivers_sums_unsplit_and_feeds_none():
+    """``rollout_rs``: the driver's sums over the mask before rejection (the whole batch, one group) win over the
+    worker's measurement; the samples' versions do not split them, and an async step feeds none."""
+    before_rejection = measure_batch(v0_batch()).mismatch.tolist()  # the whole batch's sums, as the driver takes them
+    stats = measure_batch(v0_batch(), pre_rejection_stats=before_rejection, version_lags=LAGS)
+    assert stats.split is None
+    state = StepState()
+    state.add_batch(stats)
+    fed, logged = state.figures("k3", is_async=True)
+    assert fed.mismatch_kl is None
+    assert logged["mismatch/k3"] == pytest.approx(every_token_k3(), rel=1e-12)
+    assert not any(k.startswith("mismatch/stale/") for k in logged) and version_split.FRESH_SHARE_KEY not in logged
+
+
+def test_in_bypass_mode_an_async_step_logs_the_first_mini_batchs_figures_unsplit_and_feeds_none():
+    """Bypass mode (``old_log_probs := rollout_log_probs``, the default of verl's one-step-off and fully-async
+    configs): the batch's own figures are 0 by construction; the first mini-batch's loss forward gives them, summed
+    over its tokens without the samples' versions: logged unsplit (``mismatch/bypass`` 1), not fed in an async step."""
+    from verl_lrstab import mismatch
+    from verl_lrstab.glue.steps import StepPosition
+    from verl_lrstab.scheduler import LengthSurgeLR
+
+    stats = measure_batch(v0_batch([([0.0] * len(ds), versions) for ds, versions in SAMPLES]), version_lags=LAGS)
+    assert stats.bypass
+    scheduler = LengthSurgeLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), {"detector": "cusum"})
+    state, position = StepState(), StepPosition(0, 1, True, 0)
+    state.add_batch(stats)
+    fed = state.feed_figures(scheduler, position)
+    assert fed.mismatch_kl is None and not any(k.startswith("mismatch/") for k in state.logged)
+    state.take_first_mini_batch(scheduler, position, measure_batch(v0_batch()).mismatch)  # the forward's sums
+    assert state.logged["mismatch/k3"] == pytest.approx(every_token_k3(), rel=1e-12)
+    assert state.logged[mismatch.BYPASS_KEY] == 1.0
+    assert not any(k.startswith("mismatch/stale/") for k in state.logged)
+    assert version_split.FRESH_SHARE_KEY not in state.logged
+    scheduler.step()
+    assert math.isnan(scheduler.schedule.mismatch_kl)

@@ -15,10 +15,15 @@ The result is a :class:`pandas.DataFrame` indexed by ``step`` (int, sorted), one
 metric, named as logged (``response_length/mean``, ``actor/lr``, ``val-core/...``). Steps
 logged several times (verl logs validation and training metrics of a step in two calls)
 are merged, the later value winning. Errors raise :class:`RunError` with a one-line message.
+
+A row is read under its step label, except a training row of verl's fully-async trainer, which is
+read under the update (the sync cycle) it holds (:class:`UpdateKeys`): that trainer logs a cycle's
+figures one cycle late, under the next cycle's label.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import fnmatch
 import gzip
@@ -131,44 +136,128 @@ def find_metric(df: pd.DataFrame, candidates: Sequence[str]) -> str | None:
 
 # -- readers -------------------------------------------------------------------------------------
 _WARNED: set = set()  # ((device, inode), line number) of the unreadable lines already warned about
+_LINE_SHAPE = '({"step": <int>, "data": {...}} expected)'
+
+#: verl's fully-async trainer: a training row's update counter, the weight version its batch was
+#: fetched under, and the rollouter's static figures that give the updates per sync cycle
+GLOBAL_STEP = "training/global_step"
+ASYNC_VERSION = "fully_async/count/current_param_version"
+ASYNC_STATIC = "fully_async/static/"
 
 
-def read_metrics(path: os.PathLike, name: os.PathLike | None = None) -> dict[int, dict]:
+class UpdateKeys:
+    """The step a row of a verl log is read under, fed the rows in the order they were logged.
+
+    A row is read under its label, except a training row of verl's fully-async trainer (it carries
+    ``training/global_step`` and ``fully_async/count/current_param_version``): that trainer logs a sync
+    cycle's figures when the next cycle ends, under the next cycle's label, and the last cycle's, when
+    ``test_freq`` > 0, under the same label again; after a resume its ``training/global_step`` runs one
+    ahead of the updates (it restarts at ``k * version + 2``). Such a row is read under the cycle whose
+    scheduler figures it holds: with ``k`` updates a cycle (``trigger_parameter_sync_step``, read from
+    the rollouter's ``fully_async/static/*`` figures; 1 where they are absent) and ``g`` its
+    ``training/global_step``, ``g // k``, or ``(g - 1) // k`` in a resumed launch. Each cycle is then
+    read once, in order; with ``k`` = 1 a cycle is one update and the key its number, as the run's
+    scheduler counts it. Rows without those keys (validation, the rollouter's timing; every row of
+    ``main_ppo`` and of the one-step-off trainer) are read under their label.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[int, bool] | None = None  # (label, resumed) of the previous fully-async training row
+
+    def __call__(self, label: int, data: dict) -> int:
+        step, version = _number(data.get(GLOBAL_STEP)), _number(data.get(ASYNC_VERSION))
+        if step is None or version is None:
+            return label
+        k = _updates_per_cycle(data)
+        # the row's last update is update j of its cycle: j = step - k * version, one more when resumed. A row
+        # in the cycle's course holds j = k - 1, the last cycle's j = k; with k = 1 every row j = 1.
+        j = int(step) - k * int(version)
+        if j != k or k == 1:
+            resumed = j > k
+        elif self._last is not None and self._last[0] == label:  # the last cycle's row, after its label's row
+            resumed = self._last[1]
+        else:
+            resumed = True
+        self._last = (label, resumed)
+        return (int(step) - int(resumed)) // k
+
+
+def _number(value) -> float | None:
+    """A logged figure as a finite float, None where it is absent or not a number (a table's NaN)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _updates_per_cycle(data: dict) -> int:
+    """``trigger_parameter_sync_step`` of a fully-async row: verl's rollouter logs ``max_required_samples``
+    = int(required_samples * (staleness_threshold + 1) * trigger_parameter_sync_step); 1 where it does not."""
+    required, most, staleness = (_number(data.get(ASYNC_STATIC + key))
+                                 for key in ("required_samples", "max_required_samples", "staleness_threshold"))
+    if not required or most is None or staleness is None or required * (staleness + 1) < 1:
+        return 1
+    # int() truncates by less than one sample: the quotient lies in (k - 1, k]
+    return max(1, math.ceil(most / (required * (staleness + 1)) - 1e-9))
+
+
+def read_metrics(path: os.PathLike, name: os.PathLike | None = None, strict: bool = False) -> dict[int, dict]:
     """verl's file-logger JSONL (``{"step": N, "data": {...}}`` per line) as ``{step: data}``.
 
-    A line being written while we read (no newline yet) is ignored; lines of the same step are
-    merged (later values win). A whole line that is not of that shape (not JSON, ``data`` not a
-    mapping, ``step`` missing or not a finite whole number) is skipped with one warning naming the
-    file (``name``, when ``path`` is another way to it) and the line (once per line, however often
-    the file is read again).
+    Each line is read under its step (:class:`UpdateKeys`: a fully-async training row under the update
+    it holds); lines of the same step are merged, later values winning. A ``.gz`` file is read as it is.
+
+    Args:
+        path: the file.
+        name: the file's name in messages, when ``path`` is another way to it (a descriptor's).
+        strict: a line not of that shape (not JSON, ``data`` not a mapping, ``step`` missing or not a
+            finite whole number) raises :class:`RunError` naming the file and the line, and a missing
+            file raises too (a finished log, read whole). Else, the default (a log being written): a
+            missing file reads as empty, a last line without its newline that does not read whole is
+            still being written and ignored, and any other such line is skipped with one warning naming
+            the file and the line (once per line, however often the file is read again).
     """
     out: dict[int, dict] = {}
     path = Path(path)
+    keys = UpdateKeys()
     try:
-        text = path.read_text(errors="replace")
-        ident = (path.stat().st_dev, path.stat().st_ino)  # the same file when renamed (a guard's abandoned segment)
+        raw = open(path, "rb")
     except (FileNotFoundError, IsADirectoryError):
+        if strict:
+            raise RunError(f"{path}: no such file") from None
         return out
-    lines = text.split("\n")
-    for lineno, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line:
-            continue
-        last = lineno == len(lines)  # no newline after it: still being written unless it reads whole
-        try:
-            record = json.loads(line)
-            step, data = record["step"], record["data"]
-            if not isinstance(data, dict) or isinstance(step, bool):
-                raise TypeError
-            step = _as_step(step)
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            if not last and (ident, lineno) not in _WARNED:
-                _WARNED.add((ident, lineno))
-                shown = line if len(line) <= 80 else line[:77] + "..."
-                logger.warning("verl_lrstab: %s:%d: skipped, not a verl file-logger line "
-                               '({"step": <int>, "data": {...}} expected): %s', name or path, lineno, shown)
-            continue
-        out.setdefault(step, {}).update(data)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(raw)
+        info = os.fstat(raw.fileno())
+        ident = (info.st_dev, info.st_ino)  # the file, whatever its name now (a guard's abandoned segment)
+        # The bar (strict reads: load_run's) counts the bytes on disk (compressed ones for a .gz).
+        bar = stack.enter_context(_progress(path, total=info.st_size, unit="B", unit_scale=True)) if strict else None
+        f = stack.enter_context(gzip.open(raw, "rb")) if path.suffix == ".gz" else raw
+        for lineno, line in enumerate(_lines(f, path), 1):
+            if bar is not None:
+                bar.update(raw.tell() - bar.n)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8", "strict" if strict else "replace"))
+                step, data = record["step"], record["data"]
+                if not isinstance(data, dict) or isinstance(step, bool):
+                    raise TypeError
+                step = _as_step(step)
+            except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+                if strict:
+                    raise RunError(f"{path}:{lineno}: not a verl file-logger line {_LINE_SHAPE}") from None
+                if line.endswith(b"\n") and (ident, lineno) not in _WARNED:  # no newline: still being written
+                    _WARNED.add((ident, lineno))
+                    text = line.decode("utf-8", "replace").strip()
+                    shown = text if len(text) <= 80 else text[:77] + "..."
+                    logger.warning("verl_lrstab: %s:%d: skipped, not a verl file-logger line %s: %s",
+                                   name or path, lineno, _LINE_SHAPE, shown)
+                continue
+            out.setdefault(keys(step, data), {}).update(data)
     return out
 
 
@@ -215,27 +304,20 @@ def _progress(p: Path, **kw):
 
 
 def _read_jsonl(p: Path) -> pd.DataFrame:
-    rows: dict[int, dict] = {}
-    # The bar counts the bytes on disk (compressed ones for a .gz).
-    with open(p, "rb") as raw, _progress(p, total=p.stat().st_size, unit="B", unit_scale=True) as bar, \
-            (gzip.open(raw, "rb") if p.suffix == ".gz" else raw) as f:
-        for lineno, line in enumerate(_lines(f, p), 1):
-            bar.update(raw.tell() - bar.n)
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                step, data = rec["step"], rec["data"]
-                if not isinstance(data, dict) or isinstance(step, bool):
-                    raise TypeError
-                step = _as_step(step)
-            except (ValueError, KeyError, TypeError):
-                raise RunError(f"{p}:{lineno}: not a verl file-logger line "
-                               '({"step": <int>, "data": {...}} expected)') from None
-            rows.setdefault(step, {}).update(data)
+    rows = read_metrics(p, strict=True)
     if not rows:
         raise RunError(f"{p}: the file has no records")
     return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def _keyed_by_update(df: pd.DataFrame) -> pd.DataFrame:
+    """A table indexed by step label (a CSV's rows in the file's order, TensorBoard's by step) with its rows
+    under :class:`UpdateKeys`' steps, the rows of a step merged (the later value winning)."""
+    if GLOBAL_STEP in df.columns and ASYNC_VERSION in df.columns:
+        keys = UpdateKeys()
+        df = df.copy()
+        df.index = [keys(int(label), row) for label, row in zip(df.index, df.to_dict("records"))]
+    return df.groupby(level=0, sort=True).last()
 
 
 def _lines(f, p: Path):
@@ -271,7 +353,7 @@ def _read_csv(p: Path) -> pd.DataFrame:
     df = _tidy_wandb_columns(df).apply(_numeric_if_possible)
     df.index = steps
     # A step on several rows: merge them, the later value winning.
-    return df.groupby(level=0, sort=True).last()
+    return _keyed_by_update(df)
 
 
 def _tidy_wandb_columns(df: pd.DataFrame) -> pd.DataFrame:
@@ -327,7 +409,7 @@ def _read_tensorboard(d: Path) -> pd.DataFrame:
             columns.setdefault(tag, vals)
     if not columns:
         raise RunError(f"{run_dirs[0]}: the TensorBoard events hold no scalars")
-    return pd.DataFrame(columns)
+    return _keyed_by_update(pd.DataFrame(columns).sort_index())
 
 
 def _as_step(value) -> int:

@@ -5,13 +5,13 @@ through the CPU backend's ``gloo`` checkpoint engine; 4 prompts x 4 samples a tr
 
 verl logs a sync cycle's aggregated metrics at the next cycle's end, under the version it then holds (the
 rows' ``training/global_step`` is the update they hold), does not log the last cycle's with ``test_freq`` <= 0,
-and otherwise logs it under the label of the row before: each row here is one update, read from the raw lines,
-``training/global_step`` names it.
+and otherwise logs it under the label of the row before; after a resume it counts ``training/global_step`` from
+the checkpoint's version + 2. The runs' metrics are read by the product's reader
+(:func:`verl_lrstab.runs.read_metrics`), which reads each update once, under its number
+(tests/test_runs_async.py checks it on logs of these runs).
 """
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -24,13 +24,9 @@ PROMPTS = 24  # +rollout.total_rollout_steps: 6 trainer steps of 4 prompts
 
 
 def update_rows(run) -> dict:
-    """``{update: its logged metrics}``, from the raw lines: verl's last flush of a run logs under the step label
-    of the row before it (both lines are in the file; a view merged by step keeps one)."""
-    rows = {}
-    for line in run.metrics_path.read_text().splitlines():
-        data = json.loads(line)["data"]
-        if "actor/lr" in data:
-            rows[int(data["training/global_step"])] = data
+    """``{update: its logged metrics}``: the steps the product's reader gives that hold an actor update (the
+    rollouter's own rows, under the version they follow, are merged in)."""
+    rows = {step: data for step, data in run.metrics.items() if "actor/lr" in data}
     assert rows, "no actor update was logged"
     return rows
 
@@ -46,6 +42,7 @@ def fully_async(main_ppo, name: str, staleness: float, prompts: int = PROMPTS, e
 def test_fully_async_feeds_the_length_and_only_the_fresh_samples_mismatch(main_ppo, staleness):
     rows = fully_async(main_ppo, f"fully-async-s{staleness}", staleness)
     assert sorted(rows) == list(range(1, len(rows) + 1)) and len(rows) >= 3, sorted(rows)
+    assert all(data["training/global_step"] == step for step, data in rows.items())
     replayed = fresh_scheduler()
     fresh_k3, stale_k3 = [], []
     for step in sorted(rows):
@@ -89,10 +86,10 @@ def test_fully_async_surge_decays_the_lr_as_a_replay_and_resumes_the_schedule_ex
                       metrics_name="segment2.jsonl", module=FULLY_ASYNC_MODULE)
     rows1, rows2 = update_rows(first), update_rows(second)
     assert sorted(rows1) == list(range(1, RESUME_AT + 1)), sorted(rows1)
-    # verl's resume sets global_steps to the checkpoint's version + 1, then its fit adds 1: the resumed updates
-    # are labelled from RESUME_AT + 2 (the scheduler counts its own updates: RESUME_AT + 1 on)
-    resumed = [rows2[k] for k in sorted(rows2)]
-    assert len(resumed) == N_STEPS - RESUME_AT, sorted(rows2)
+    # verl's resume sets global_steps to the checkpoint's version + 1, then its fit adds 1: the resumed updates'
+    # training/global_step runs from RESUME_AT + 2; they are read as the scheduler counts them, RESUME_AT + 1 on
+    assert sorted(rows2) == list(range(RESUME_AT + 1, N_STEPS + 1)), sorted(rows2)
+    assert [rows2[u]["training/global_step"] for u in sorted(rows2)] == list(range(RESUME_AT + 2, N_STEPS + 2))
     replayed = fresh_scheduler()
     for step in range(1, RESUME_AT + 1):
         step_as_logged(replayed, rows1[step])
@@ -102,13 +99,35 @@ def test_fully_async_surge_decays_the_lr_as_a_replay_and_resumes_the_schedule_ex
     assert len(ckpt) == 1, ckpt
     saved = torch.load(ckpt[0], weights_only=False)["lr_scheduler"]
     assert same(saved, replayed.state_dict()), (saved, replayed.state_dict())
-    for step, data in enumerate(resumed, RESUME_AT + 1):
+    for step in sorted(rows2):
+        data = rows2[step]
         step_as_logged(replayed, data)
         assert data["actor/lr"] == pytest.approx(replayed.get_last_lr()[0], rel=1e-12), step
         for key, value in replayed.metrics().items():
             assert data[f"actor/{key}"] == pytest.approx(value, rel=1e-12, abs=1e-15), (step, key)
-    assert resumed[0]["actor/mismatch/fresh_share"] == 1.0  # the first resumed update: the weights synced at start
+    # the first resumed update trains on the weights synced at the start
+    assert rows2[RESUME_AT + 1]["actor/mismatch/fresh_share"] == 1.0
     assert replayed.surge_step is not None and replayed.get_last_lr()[0] < LR0, "no surge, no decay"
+
+
+@pytest.mark.slow  # one more run (about 5 min on 2 cores)
+def test_two_updates_a_sync_cycle_are_fed_and_read_once_a_cycle(main_ppo):
+    """``trigger_parameter_sync_step=2``: the scheduler is fed once a cycle, on its last update, where its figures
+    are logged; verl's row at a cycle's end holds the cycle before's last update and this cycle's first (its
+    ``actor/lr``, ``response_length/mean`` are their mean), the last cycle's row the last update alone."""
+    rows = main_ppo("fully-async-k2", FULLY_ASYNC + SURGE + [
+        "++async_training.trigger_parameter_sync_step=2", "++async_training.staleness_threshold=1",
+        f"+rollout.total_rollout_steps={PROMPTS}", "trainer.test_freq=1000"], module=FULLY_ASYNC_MODULE).metrics
+    cycles = {step: data for step, data in rows.items() if "actor/lrstab/response_length" in data}
+    assert sorted(cycles) == [1, 2, 3], sorted(rows)  # 6 trainer steps of 4 prompts, 2 a cycle
+    assert [cycles[c]["training/global_step"] for c in (1, 2, 3)] == [3, 5, 6]
+    replayed = fresh_scheduler()
+    for cycle in (1, 2, 3):
+        step_as_logged(replayed, cycles[cycle])
+        assert cycles[cycle]["actor/lrstab/lr_scale"] == pytest.approx(replayed.get_last_lr()[0] / LR0, rel=1e-12)
+        for key, value in replayed.metrics().items():
+            assert cycles[cycle][f"actor/{key}"] == pytest.approx(value, rel=1e-12, abs=1e-15), (cycle, key)
+    assert cycles[1]["actor/mismatch/fresh_share"] == 1.0  # the first cycle trains on the weights synced at start
 
 
 @pytest.mark.slow  # two more runs
