@@ -203,7 +203,7 @@ def test_absent_or_empty_rollout_log_probs_give_none():
 
 
 def test_the_same_tensor_gives_exact_zeros():
-    # verl's bypass mode on the driver: old_log_probs IS rollout_log_probs (glue.signals spots it)
+    # verl's bypass mode on the driver: old_log_probs IS rollout_log_probs (glue.batch_figures spots it)
     old, _, mask = _batch(dtype=torch.float32)
     m = mismatch_metrics(old, old, mask)
     assert m["mismatch/max_abs_diff"] == 0.0 and m["mismatch/n_tokens"] == mask.sum().item()

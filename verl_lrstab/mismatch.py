@@ -122,7 +122,7 @@ def compute_stats(
             layout and shape. None or an empty tensor (while ``old_log_probs`` is not) means the
             rollout returned none: the result is None, so nothing is logged. Equal values (verl's
             bypass mode, even the same tensor) give exact zeros, which the glue recognises
-            (:func:`verl_lrstab.glue.signals.shows_bypass_mode`).
+            (:func:`verl_lrstab.glue.batch_figures.shows_bypass_mode`).
         response_mask: non-zero on the response tokens to count, same layout and shape. Values
             at other positions (padding) are ignored even when NaN/inf.
         threshold: ``|d|`` above which a token counts in ``n_over_threshold``; >= 0.

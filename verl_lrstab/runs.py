@@ -376,7 +376,7 @@ def replay_with_cosignals(steps, values, config=None, warmup_steps: int = 0, mis
     (it has an update's figures only after the update); the detector reads them from the next
     step on, so the order does not change a decision.
     """
-    from verl_lrstab.schedule import replay
+    from verl_lrstab.log_replay import replay
 
     return replay(steps, values, config, warmup_steps, mismatch_kl=mismatch_kl, score=score, clip_ratio=clip_ratio,
                   cosignals=cosignals)
