@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from verl_lrstab.mismatch import compute_stats, finalize, mismatch_metrics  # noqa: E402
 from verl_lrstab.scheduler import LengthSurgeLR  # noqa: E402
-from verl_lrstab.glue.signals import measure_batch  # noqa: E402
+from verl_lrstab.glue.batch_figures import measure_batch  # noqa: E402
 
 
 def global_mean_response_length(data) -> float:

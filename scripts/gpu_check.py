@@ -83,9 +83,9 @@ def _glue_figures(data, group, cap: int) -> dict:
     figure the glue could not measure is None (it logs why).
     """
     from verl_lrstab import mismatch
-    from verl_lrstab.glue import signals
+    from verl_lrstab.glue import batch_figures
 
-    batch = signals.measure_batch(data, group, cap=cap)
+    batch = batch_figures.measure_batch(data, group, cap=cap)
     length, score, figures = batch.length, batch.score, mismatch.finalize(batch.mismatch)
     out = {"length/sum": None, "length/count": None, "length/at_cap": None, "score/sum": None, "score/count": None}
     if length is not None:

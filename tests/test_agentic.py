@@ -25,7 +25,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.glue.signals import measure_batch, model_token_counts, response_lengths
+from verl_lrstab.glue.batch_figures import measure_batch, model_token_counts, response_lengths
 from verl_lrstab.glue.steps import MODEL_TOKENS_KEY, GlueError, StepPosition, StepState, begin_update
 from verl_lrstab.scheduler import LengthSurgeLR
 

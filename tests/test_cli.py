@@ -19,7 +19,7 @@ from test_runs import PAPER_SURGE, paper_lengths, val_score, write_verl_run
 
 from verl_lrstab.cli import main
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.schedule import replay
+from verl_lrstab.log_replay import replay
 
 LRSTAB = shutil.which("lrstab", path=os.path.dirname(sys.executable)) or shutil.which("lrstab")
 ROOT = Path(__file__).resolve().parent.parent

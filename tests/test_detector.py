@@ -8,11 +8,11 @@ import statistics
 import pytest
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.detector import SurgeDetector
+from verl_lrstab.ratio import RatioDetector
 
 
 def run(values, start=1, **kwargs):
-    det = SurgeDetector(kwargs)
+    det = RatioDetector(kwargs)
     fired = [s for s, v in enumerate(values, start=start) if det.update(s, v)]
     return det, fired
 
@@ -71,7 +71,7 @@ def test_warmup_transients_are_ignored():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 0.0, -3.0, None, "x"])
 def test_bad_values_are_skipped_never_fire(bad, caplog):
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
-    det = SurgeDetector({"skip_first_steps": 0, "horizon": 3, "baseline_window": 2, "fast_window": 1, "patience": 1})
+    det = RatioDetector({"skip_first_steps": 0, "horizon": 3, "baseline_window": 2, "fast_window": 1, "patience": 1})
     for s in range(1, 10):
         assert det.update(s, 100.0) is False
     for s in range(10, 40):
@@ -101,7 +101,7 @@ def test_sparse_steps_use_step_numbers():
     # Steps 4, 16, 36, ... as in the sparse public traces: windows are in steps, not rows.
     steps = [12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52]
     values = [1000, 1050, 980, 1020, 1010, 1900, 2900, 3500, 3600, 3700, 3650]
-    det = SurgeDetector()
+    det = RatioDetector()
     fired = [s for s, v in zip(steps, values) if det.update(s, v)]
     assert fired and fired[0] <= 44
 
@@ -109,12 +109,12 @@ def test_sparse_steps_use_step_numbers():
 def test_state_dict_round_trip_continues_identically():
     levels = noisy([1000.0] * 70 + [1000.0 + 60 * i for i in range(40)] + [3400.0] * 30, seed=7)
     ref, fired_ref = run(levels)
-    a = SurgeDetector()
+    a = RatioDetector()
     fired = []
     for s, v in enumerate(levels[:75], start=1):
         if a.update(s, v):
             fired.append(s)
-    b = SurgeDetector()
+    b = RatioDetector()
     b.load_state_dict(a.state_dict())
     for s, v in enumerate(levels[75:], start=76):
         if b.update(s, v):
@@ -127,13 +127,13 @@ def test_state_dict_round_trip_continues_identically():
                                     dict(fast_window=2.5), dict(skip_first_steps=-1), dict(max_surges=True)])
 def test_invalid_arguments_raise(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
-        SurgeDetector(kwargs)
+        RatioDetector(kwargs)
 
 
 def test_reports_baseline_and_ratio():
     det, _ = run([100.0] * 50)
     assert det.baseline == pytest.approx(100.0) and det.ratio == pytest.approx(1.0)
-    assert math.isnan(SurgeDetector().baseline)
+    assert math.isnan(RatioDetector().baseline)
 
 
 # -- detector: cusum (verl_lrstab.cusum) ------------------------------------------------------------

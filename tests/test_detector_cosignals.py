@@ -21,8 +21,8 @@ import pytest
 
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab.cusum import COSIGNALS, CusumDetector
+from verl_lrstab.log_replay import replay
 from verl_lrstab.runs import cosignal_columns, replay_with_cosignals
-from verl_lrstab.schedule import replay
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "research"))
 import phenomena  # noqa: E402
@@ -44,11 +44,11 @@ def run(tr, score_form="dense", co_form="dense", every=4, drop=(), order="after"
             continue
         figures = {k: v[i] for k, v in co.items()}
         if order == "before":
-            det.observe(s, **figures)
+            det.add_cosignals(s, **figures)
         if det.update(s, tr.length[i], score=score[i], kl=tr.k3[i], clip_ratio=tr.clip[i]):
             fired.append(s)
         if order == "after":
-            det.observe(s, **figures)
+            det.add_cosignals(s, **figures)
     return fired
 
 
@@ -195,7 +195,7 @@ def _flat_run(n=120, at=80, spike=None, entropy_up=False, seed=0):
         entropy = 0.4 * (1.3 if entropy_up and s >= at - 3 else 1.0) * (1 + 0.02 * rng.standard_normal())
         if det.update(s, length, score=0.6 + 0.02 * rng.standard_normal()):
             fired.append(s)
-        det.observe(s, grad_norm=grad, entropy=entropy, kl_loss=2e-3 * (1 + 0.05 * rng.standard_normal()))
+        det.add_cosignals(s, grad_norm=grad, entropy=entropy, kl_loss=2e-3 * (1 + 0.05 * rng.standard_normal()))
     return fired
 
 
@@ -216,7 +216,7 @@ def _sparse_co_run(grad_up, entropy_up, rows, n=130, at=80, every=4, seed=0):
             fired.append(s)
         if (s - 1) % every == 0:
             up = s in rows
-            det.observe(s, grad_norm=0.3 * (grad_up if up else 1.0) * (1 + 0.02 * rng.standard_normal()),
+            det.add_cosignals(s, grad_norm=0.3 * (grad_up if up else 1.0) * (1 + 0.02 * rng.standard_normal()),
                         entropy=0.4 * (entropy_up if up else 1.0) * (1 + 0.01 * rng.standard_normal()))
     return fired
 
@@ -252,7 +252,7 @@ def test_the_state_round_trips_mid_surge_and_a_checkpoint_without_co_signal_stat
             continue
         if resumed.update(s, tr.length[i], score=tr.score[i], kl=tr.k3[i], clip_ratio=tr.clip[i]):
             rest.append(s)
-        resumed.observe(s, **{NAMES[k]: v[i] for k, v in tr.cosignals.items()})
+        resumed.add_cosignals(s, **{NAMES[k]: v[i] for k, v in tr.cosignals.items()})
     assert first + rest == whole
     old = {**state, "rows": {k: v for k, v in state["rows"].items() if k != "co"}}  # a state without the co-signals
     with pytest.raises(ValueError, match="rows.co"):
@@ -261,7 +261,7 @@ def test_the_state_round_trips_mid_surge_and_a_checkpoint_without_co_signal_stat
 
 def test_an_unknown_co_signal_is_refused_by_name():
     with pytest.raises(ValueError, match="entropy"):
-        CusumDetector().observe(3, entropie=0.4)
+        CusumDetector().add_cosignals(3, entropie=0.4)
     assert set(COSIGNALS) == {"entropy", "grad_norm", "kl_loss", "pg_clipfrac"}
 
 
@@ -315,9 +315,9 @@ def _verl_output(metrics):
 def test_the_worker_feeds_verls_update_figures_to_the_detector_and_logs_them():
     from verl.utils import tensordict_utils as tu
 
-    from verl_lrstab.glue.cosignals import finish_update
+    from verl_lrstab.detectors import UpdateFigures
     from verl_lrstab.glue.steps import state_of
-    from verl_lrstab.schedule import UpdateFigures
+    from verl_lrstab.glue.update_metrics import finish_update
 
     sched = _scheduler()
     sched.observe_update(UpdateFigures(response_length=300.0))
@@ -344,9 +344,9 @@ def _glue_rank(rank, world_size, init_file, out_file):
 
     import torch.distributed as dist
 
-    from verl_lrstab.glue.cosignals import finish_update
+    from verl_lrstab.detectors import UpdateFigures
     from verl_lrstab.glue.steps import state_of
-    from verl_lrstab.schedule import UpdateFigures
+    from verl_lrstab.glue.update_metrics import finish_update
 
     logging.getLogger("verl_lrstab").setLevel(logging.ERROR)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)

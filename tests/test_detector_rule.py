@@ -17,7 +17,8 @@ import torch
 from verl_lrstab.config import LengthSurgeConfig
 from verl_lrstab import cusum
 from verl_lrstab.cusum import HOLDS, WAYS, CusumDetector
-from verl_lrstab.schedule import UpdateFigures, replay
+from verl_lrstab.detectors import UpdateFigures
+from verl_lrstab.log_replay import replay
 from verl_lrstab.scheduler import LengthSurgeLR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def feed(tr, det=None):
         k3 = tr.k3[i]
         if det.update(s, tr.length[i], score=tr.score[i], kl=None if math.isnan(k3) else k3, clip_ratio=tr.clip[i]):
             return s, det
-        det.observe(s, **{NAMES[k]: v[i] for k, v in tr.cosignals.items()})
+        det.add_cosignals(s, **{NAMES[k]: v[i] for k, v in tr.cosignals.items()})
     return None, det
 
 
@@ -110,7 +111,7 @@ def test_no_way_fires_with_the_length_at_its_baseline_whatever_every_witness_doe
         late = min(max(s - 60, 0) / 20, 1.0)  # 0 before step 60, 1 from step 80
         assert not det.update(s, 500.0 * math.exp(rng.gauss(0, 0.05)), score=0.7 - 0.4 * late + rng.gauss(0, 0.02),
                               kl=1e-3 * (1 + 2 * late) * math.exp(rng.gauss(0, 0.15)), clip_ratio=0.02 + 0.3 * late), s
-        det.observe(s, entropy=0.4 * (1 + 0.5 * late) * math.exp(rng.gauss(0, 0.05)),
+        det.add_cosignals(s, entropy=0.4 * (1 + 0.5 * late) * math.exp(rng.gauss(0, 0.05)),
                     grad_norm=(1 + 2 * late) * math.exp(rng.gauss(0, 0.2)))
 
 
@@ -127,7 +128,7 @@ def test_no_way_fires_on_a_very_noisy_length_at_its_baseline_with_the_kl_loss_gr
             score = 0.58 + 0.07 * min(s / 30, 2) + rng.gauss(0, 0.05)
             assert not det.update(s, 95.0 * math.exp(rng.gauss(0, 0.25)), score=score), (seed, s, det.fired_by)
             kl_loss = 8e-4 * 6.25 ** min(s / 30, 1.5) * (1.6 if rng.random() < 0.08 else 1.0)
-            det.observe(s, entropy=0.45 * math.exp(rng.gauss(0, 0.2)), kl_loss=kl_loss)
+            det.add_cosignals(s, entropy=0.45 * math.exp(rng.gauss(0, 0.2)), kl_loss=kl_loss)
 
 
 def test_a_two_step_excursion_over_a_slow_drift_is_no_surge_and_its_surge_twin_is():

@@ -269,7 +269,7 @@ def test_one_rank_failing_its_mismatch_keeps_every_rank_on_one_lr(model_dir, wor
 # windows count trainer steps, so it sees the jump at trainer step 7 (`replay` of the same means).
 SURGE_STEP_PER_TRAINER_STEP = 7
 def test_several_updates_per_trainer_step_feed_the_scheduler_once_per_trainer_step(model_dir, work_dir):
-    from verl_lrstab.schedule import replay
+    from verl_lrstab.log_replay import replay
 
     k, updates = 2, 16
     run = run_one(model_dir, work_dir, "per_step2", "--steps", str(updates), "--updates-per-step", str(k))

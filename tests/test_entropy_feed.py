@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.schedule import UpdateFigures
+from verl_lrstab.detectors import UpdateFigures
 
 PROMPT_W, RESP_W = 4, 5
 PROMPT_LENS = [3, 4, 2]
@@ -64,9 +64,9 @@ def verl_output(entropy):
 
 
 def test_the_stats_are_verls_masked_token_mean_of_the_response_entropy():
-    from verl_lrstab.glue import cosignals
+    from verl_lrstab.glue import update_metrics
 
-    total, count = cosignals.old_log_prob_entropy_stats(verl_output(engine_entropy()), driver_batch()).tolist()
+    total, count = update_metrics.old_log_prob_entropy_stats(verl_output(engine_entropy()), driver_batch()).tolist()
     assert count == sum(map(sum, MASK))
     assert total / count == pytest.approx(EXPECTED, rel=1e-12)
 
@@ -81,9 +81,9 @@ def v1_batch():
 
 
 def test_v1s_nested_batch_gives_the_same_mean():
-    from verl_lrstab.glue import cosignals
+    from verl_lrstab.glue import update_metrics
 
-    total, count = cosignals.old_log_prob_entropy_stats(verl_output(engine_entropy()), v1_batch()).tolist()
+    total, count = update_metrics.old_log_prob_entropy_stats(verl_output(engine_entropy()), v1_batch()).tolist()
     assert count == sum(map(sum, MASK)) and total / count == pytest.approx(EXPECTED, rel=1e-12)
 
 
@@ -92,34 +92,34 @@ def test_verls_own_driver_figure_agrees():
     from verl.trainer.ppo.core_algos import agg_loss
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_lrstab.glue import cosignals
+    from verl_lrstab.glue import update_metrics
 
     data = driver_batch()
     entropy = engine_entropy()
     verls = agg_loss(loss_mat=no_padding_2_padding(entropy, data).float(),
                      loss_mask=data["response_mask"].float(), loss_agg_mode="token-mean").item()
-    total, count = cosignals.old_log_prob_entropy_stats(verl_output(entropy), data).tolist()
+    total, count = update_metrics.old_log_prob_entropy_stats(verl_output(entropy), data).tolist()
     assert total / count == pytest.approx(verls, rel=1e-6)
 
 
 def test_a_rank_without_outputs_or_without_entropy_adds_nothing():
     from verl.utils import tensordict_utils as tu
 
-    from verl_lrstab.glue import cosignals
+    from verl_lrstab.glue import update_metrics
 
-    assert cosignals.old_log_prob_entropy_stats(None, driver_batch()).tolist() == [0.0, 0.0]
+    assert update_metrics.old_log_prob_entropy_stats(None, driver_batch()).tolist() == [0.0, 0.0]
     no_entropy = tu.get_tensordict(tensor_dict={"log_probs": engine_entropy()}, non_tensor_dict={})
-    assert cosignals.old_log_prob_entropy_stats(no_entropy, driver_batch()).tolist() == [0.0, 0.0]
+    assert update_metrics.old_log_prob_entropy_stats(no_entropy, driver_batch()).tolist() == [0.0, 0.0]
 
 
 def test_a_nan_token_is_left_out_not_spread():
-    from verl_lrstab.glue import cosignals
+    from verl_lrstab.glue import update_metrics
 
     seqs = list(engine_entropy().unbind())
     seqs[0] = seqs[0].clone()
     seqs[0][PROMPT_LENS[0] - 1] = float("nan")  # the first response token of sequence 0 (value 1.0)
     entropy = torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
-    total, count = cosignals.old_log_prob_entropy_stats(verl_output(entropy), driver_batch()).tolist()
+    total, count = update_metrics.old_log_prob_entropy_stats(verl_output(entropy), driver_batch()).tolist()
     assert count == sum(map(sum, MASK)) - 1
     assert total / count == pytest.approx((EXPECTED * 10 - 1.0) / 9)
 
@@ -166,7 +166,7 @@ def _pass(calculate_entropy: bool, compute_loss: bool = False):
 def test_the_old_log_prob_pass_feeds_the_detector_at_the_steps_last_update():
     from verl.utils import tensordict_utils as tu
 
-    from verl_lrstab.glue.cosignals import finish_update
+    from verl_lrstab.glue.update_metrics import finish_update
     from verl_lrstab.glue.steps import state_of
 
     sched = _scheduler()
@@ -187,7 +187,7 @@ def test_the_old_log_prob_pass_feeds_the_detector_at_the_steps_last_update():
 def test_without_an_old_log_prob_pass_the_updates_own_entropy_is_fed():
     from verl.utils import tensordict_utils as tu
 
-    from verl_lrstab.glue.cosignals import finish_update
+    from verl_lrstab.glue.update_metrics import finish_update
     from verl_lrstab.glue.steps import state_of
 
     sched = _scheduler()

@@ -12,9 +12,9 @@ from verl.workers.utils.padding import left_right_2_no_padding
 
 from verl_lrstab import mismatch
 from verl_lrstab.glue import driver
-from verl_lrstab.glue.cosignals import finish_update
-from verl_lrstab.glue.signals import BatchStats, measure_batch, response_lengths
+from verl_lrstab.glue.batch_figures import BatchStats, measure_batch, response_lengths
 from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, state_of
+from verl_lrstab.glue.update_metrics import finish_update
 
 PROMPT, RESP = 6, 8
 RESPONSE_LENS = [8, 3, 0, 5]  # one empty (aborted) response
@@ -113,7 +113,7 @@ def test_mismatch_on_v0_and_v1_layouts_equals_padded_reference():
 
 
 def test_bypass_mode_shows_only_in_bit_identical_log_probs():
-    from verl_lrstab.glue.signals import shows_bypass_mode
+    from verl_lrstab.glue.batch_figures import shows_bypass_mode
 
     padded = padded_batch()
     old, mask = padded["old_log_probs"], padded["response_mask"]

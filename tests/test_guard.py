@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.detectors import LengthSurgeSchedule
 from verl_lrstab.guard.plan import (GuardError, GuardOptions, Trouble, checkpoint_steps, choose_checkpoint,
                                     decay_period_for, find_trouble, plan_run, rollback_overrides)
 from verl_lrstab.guard.supervisor import compose_config, split_command
-from verl_lrstab.schedule import LengthSurgeSchedule
 from verl_lrstab.scheduler import LengthSurgeLR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "research"))

@@ -18,8 +18,8 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (make install-m
 from megatron.core.optimizer.optimizer import ChainedOptimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
+from verl_lrstab.detectors import UpdateFigures  # noqa: E402
 from verl_lrstab.megatron import LengthSurgeParamScheduler  # noqa: E402
-from verl_lrstab.schedule import UpdateFigures  # noqa: E402
 from verl_lrstab.scheduler import LengthSurgeLR  # noqa: E402
 
 LR, DECOUPLED_LR, WD = 1e-6, 2e-6, 0.1

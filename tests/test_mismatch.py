@@ -203,7 +203,7 @@ def test_absent_or_empty_rollout_log_probs_give_none():
 
 
 def test_the_same_tensor_gives_exact_zeros():
-    # verl's bypass mode on the driver: old_log_probs IS rollout_log_probs (glue.signals spots it)
+    # verl's bypass mode on the driver: old_log_probs IS rollout_log_probs (glue.batch_figures spots it)
     old, _, mask = _batch(dtype=torch.float32)
     m = mismatch_metrics(old, old, mask)
     assert m["mismatch/max_abs_diff"] == 0.0 and m["mismatch/n_tokens"] == mask.sum().item()
@@ -307,7 +307,7 @@ def _micro_batches(old, roll, mask, sizes):
 def test_capture_covers_exactly_the_first_mini_batch():
     old, roll, mask = _batch(bs=12, scale=0.3)
     capture = FirstMiniBatchCapture(n_sequences=6)  # mini-batch 1 = rows 0-5, in micro-batches 2 + 4
-    added = [capture.observe(*mb) for mb in _micro_batches(old, roll, mask, [2, 4, 3, 3])]
+    added = [capture.add_micro_batch(*mb) for mb in _micro_batches(old, roll, mask, [2, 4, 3, 3])]
     assert added == [True, True, False, False] and capture.complete
     capture.reduce()
     got = capture.metrics()
@@ -320,7 +320,7 @@ def test_capture_reads_log_probs_that_require_grad_without_touching_the_graph():
     old, roll, mask = _batch(bs=4, scale=0.2, dtype=torch.float32)
     log_probs = old.clone().requires_grad_(True)
     capture = FirstMiniBatchCapture(4)
-    capture.observe(log_probs * 1.0, roll, mask, 4)
+    capture.add_micro_batch(log_probs * 1.0, roll, mask, 4)
     assert log_probs.grad is None and capture.stats.requires_grad is False
     capture.reduce()
     assert capture.metrics()["mismatch/k3"] == pytest.approx(mismatch_metrics(old, roll, mask)["mismatch/k3"], rel=1e-6)
@@ -369,11 +369,11 @@ def test_optimizer_pre_hook_reduces_once_at_the_first_step():
     seen = []
     handle = optimizer.register_step_pre_hook(capture.optimizer_pre_hook(on_reduced=seen.append))
     for mb in _micro_batches(old, roll, mask, [2, 2]):  # mini-batch 1, then its optimizer step
-        capture.observe(*mb)
+        capture.add_micro_batch(*mb)
     param.grad = torch.ones(3)
     optimizer.step()
     assert capture.reduced and len(seen) == 1
-    capture.observe(old[4:], roll[4:], mask[4:], 4)  # mini-batch 2, after the step: ignored
+    capture.add_micro_batch(old[4:], roll[4:], mask[4:], 4)  # mini-batch 2, after the step: ignored
     optimizer.step()
     handle.remove()
     assert len(seen) == 1 and seen[0] is capture.global_stats  # the global stats, reduced once
@@ -449,7 +449,7 @@ def _bypass_dp_worker(rank, world_size, init_file, out_file, fail_rank):
     rows = slice(4 * rank, 4 * rank + 4)  # each rank: 4 rows, its first mini-batch = 2 rows
     capture = FirstMiniBatchCapture(2)
     for mb in _micro_batches(old[rows], roll[rows], mask[rows], [1, 1, 2]):
-        capture.observe(*mb) if rank != fail_rank else capture.observe(mb[0][:, :-1], *mb[1:])
+        capture.add_micro_batch(*mb) if rank != fail_rank else capture.add_micro_batch(mb[0][:, :-1], *mb[1:])
     capture.reduce()
     if rank == 0:
         with open(out_file, "w") as f:

@@ -31,7 +31,7 @@ def test_a_changed_v1_padding_template_refuses_length_surge_loudly(monkeypatch):
     # the V1 length leaves out padding samples by their shape: if verl's template changes, say so
     from verl.trainer.ppo import padding_utils
 
-    from verl_lrstab.glue import signals
+    from verl_lrstab.glue import batch_figures
     from verl_lrstab.glue.wraps import VerlShapeError
 
     original = padding_utils.construct_minimal_padding_template
@@ -42,9 +42,9 @@ def test_a_changed_v1_padding_template_refuses_length_surge_loudly(monkeypatch):
         return pad, tag
 
     monkeypatch.setattr(padding_utils, "construct_minimal_padding_template", two_token_template)
-    monkeypatch.setattr(signals, "_assumptions_checked", False)
+    monkeypatch.setattr(batch_figures, "_assumptions_checked", False)
     with pytest.raises(VerlShapeError, match="V1 padding samples have one response token"):
-        signals.check_assumptions_once()
+        batch_figures.check_assumptions_once()
 
 
 @pytest.mark.parametrize("mode,is_async", [("sync", 0), ("colocate_async", 1), ("separate_async", 1)])

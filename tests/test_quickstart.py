@@ -129,7 +129,7 @@ def test_the_panels_metric_names_are_logged():
     from verl.trainer.ppo import metric_utils
 
     from verl_lrstab import mismatch
-    from verl_lrstab.schedule import UpdateFigures
+    from verl_lrstab.detectors import UpdateFigures
     from verl_lrstab.scheduler import LengthSurgeLR
 
     panel = QUICK[QUICK.index("**4. Put these on"):QUICK.index("**5. When it fires")]

@@ -7,6 +7,7 @@ import math
 import pandas as pd
 import pytest
 
+from verl_lrstab.log_replay import replay
 from verl_lrstab.runs import (
     MissingMetricError,
     RunError,
@@ -14,7 +15,6 @@ from verl_lrstab.runs import (
     load_run,
     metric_series,
 )
-from verl_lrstab.schedule import replay
 
 # The paper's example: the length jumps from ~1000 to 3500 tokens at step 108; the default detector
 # (cusum: the 5-step median of the level needs 3 long batches) reports it at 110, so P = 198.

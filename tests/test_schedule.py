@@ -5,14 +5,9 @@ import math
 import pytest
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.schedule import (
-    LengthSurgeSchedule,
-    decay_period_from_surge,
-    decay_scale,
-    num_decays,
-    replay,
-    warmup_scale,
-)
+from verl_lrstab.decay import decay_period_from_surge, decay_scale, num_decays, warmup_scale
+from verl_lrstab.detectors import LengthSurgeSchedule, UpdateFigures
+from verl_lrstab.log_replay import replay
 
 
 def test_paper_example_origin_start():
@@ -104,23 +99,23 @@ def test_schedule_state_round_trip():
     values = surge_series(n=400)
     a = LengthSurgeSchedule()
     for u in range(1, 105):
-        a.observe(u, values[u - 1])
+        a.observe(u, UpdateFigures(values[u - 1]))
     b = LengthSurgeSchedule()
     b.load_state_dict(a.state_dict())
     for u in range(105, 401):
-        a.observe(u, values[u - 1])
-        b.observe(u, values[u - 1])
+        a.observe(u, UpdateFigures(values[u - 1]))
+        b.observe(u, UpdateFigures(values[u - 1]))
         assert a.scale(u) == b.scale(u)
     assert a.state_dict() == b.state_dict() and a.trigger_step is not None
 
 
 def test_metrics_keys_and_no_invented_values():
     s = LengthSurgeSchedule()
-    s.observe(1, math.nan)
+    s.observe(1, UpdateFigures(math.nan))
     m = s.metrics(1)
     assert m["lrstab/surge_step"] == -1 and m["lrstab/decay_period"] == -1 and m["lrstab/lr_scale"] == 1.0
     assert "lrstab/response_length" not in m and "lrstab/baseline" not in m  # nothing measured, nothing logged
-    s.observe(2, 123.0)
+    s.observe(2, UpdateFigures(123.0))
     assert s.metrics(2)["lrstab/response_length"] == 123.0
 
 
@@ -182,7 +177,7 @@ def test_monitor_only_reports_the_surge_but_never_decays():
     assert set(res.lr_scale) == {1.0}
     sched = LengthSurgeSchedule({"monitor_only": True})
     for u, v in enumerate(surge_series(n=400), start=1):
-        sched.observe(u, v)
+        sched.observe(u, UpdateFigures(v))
     m = sched.metrics(400)
     assert m["lrstab/surge_step"] == res.surge_step and m["lrstab/decay_period"] == -1 and m["lrstab/lr_scale"] == 1.0
 
@@ -216,13 +211,13 @@ def test_default_detector_is_cusum_and_ratio_replays_the_old_rule_exactly():
     import random
 
     from verl_lrstab.cusum import CusumDetector
-    from verl_lrstab.detector import SurgeDetector
+    from verl_lrstab.ratio import RatioDetector
 
     assert LengthSurgeConfig().detector == "cusum" and isinstance(LengthSurgeSchedule().detector, CusumDetector)
     rng = random.Random(3)
     values = [1000.0 * (1 + rng.gauss(0, 0.05)) * (1 + 1.5 * min(max(s - 120, 0), 20) / 20) for s in range(1, 301)]
     options = {"detector": "ratio", "horizon": 20, "patience": 2}
-    det = SurgeDetector(LengthSurgeConfig(**options))
+    det = RatioDetector(LengthSurgeConfig(**options))
     old = [s for s, v in enumerate(values, 1) if det.update(s, v)]
     res = replay(range(1, 301), values, options)
     assert old == [res.surge_step] == [130]
@@ -239,7 +234,7 @@ def test_cusum_state_round_trip_mid_surge_and_metrics_are_plain_numbers():
     kl = [1e-3 * (1 + 0.01 * u) for u in range(1, 301)]
     a = LengthSurgeSchedule({"origin": "surge"})
     for u in range(1, 86):
-        a.observe(u, lengths[u - 1], kl[u - 1], score=score[u - 1], clip_ratio=0.01)
+        a.observe(u, UpdateFigures(lengths[u - 1], kl[u - 1], score=score[u - 1], clip_ratio=0.01))
     # armed on the rise's first step (1.8x, far beyond the noise), held since: the score rises
     assert a.detector.armed_step == 80 and a.trigger_step is None
     m = a.metrics(85)
@@ -249,8 +244,8 @@ def test_cusum_state_round_trip_mid_surge_and_metrics_are_plain_numbers():
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     for u in range(86, 301):
         sc = score[u - 1] - (0.3 if u >= 90 else 0.0)  # then the score crashes, the length still up
-        fa = a.observe(u, lengths[u - 1], kl[u - 1], score=sc, clip_ratio=0.01)
-        fb = b.observe(u, lengths[u - 1], kl[u - 1], score=sc, clip_ratio=0.01)
+        fa = a.observe(u, UpdateFigures(lengths[u - 1], kl[u - 1], score=sc, clip_ratio=0.01))
+        fb = b.observe(u, UpdateFigures(lengths[u - 1], kl[u - 1], score=sc, clip_ratio=0.01))
         assert fa == fb and a.scale(u) == b.scale(u) and a.metrics(u) == b.metrics(u)
     assert json.dumps(a.state_dict()) == json.dumps(b.state_dict())
     # the fall (from step 90) moves the median of the last 5 scores once 3 of them have fallen: 92
@@ -282,7 +277,6 @@ def test_scheduler_passes_the_handed_cosignals_once():
     # The glue hands the score and the clip ratio through observe_update before verl's bare step().
     import torch
 
-    from verl_lrstab.schedule import UpdateFigures
     from verl_lrstab.scheduler import LengthSurgeLR
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)

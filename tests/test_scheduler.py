@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from verl_lrstab.schedule import UpdateFigures
+from verl_lrstab.detectors import UpdateFigures
 from verl_lrstab.scheduler import LengthSurgeLR
 
 

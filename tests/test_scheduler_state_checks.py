@@ -13,7 +13,7 @@ import torch
 
 from verl_lrstab.cli import main
 from verl_lrstab.config import MAX_DECAY_PERIOD, LengthSurgeConfig
-from verl_lrstab.schedule import LengthSurgeSchedule
+from verl_lrstab.detectors import LengthSurgeSchedule, UpdateFigures
 from verl_lrstab.scheduler import LengthSurgeLR
 from verl_lrstab.scheduler_state_checks import SchedulerStateError
 
@@ -30,7 +30,7 @@ def test_a_decay_period_past_any_run_is_refused_at_config_time(key, value):
 
 
 def test_the_largest_period_factor_cannot_overflow_at_any_surge_step():
-    from verl_lrstab.schedule import decay_period_from_surge
+    from verl_lrstab.decay import decay_period_from_surge
 
     cfg = LengthSurgeConfig.from_dict({"period_factor": 1000.0})
     assert decay_period_from_surge(10**6, cfg.period_factor) == 10**9  # an int, no OverflowError
@@ -55,8 +55,8 @@ def test_a_length_given_as_text_is_skipped_with_the_nan_warning(detector, caplog
                                         else {})}
     text, nan = LengthSurgeSchedule(options), LengthSurgeSchedule(options)
     with caplog.at_level(logging.WARNING, logger="verl_lrstab"):
-        text.observe(1, "1200")
-        nan.observe(1, math.nan)
+        text.observe(1, UpdateFigures("1200"))
+        nan.observe(1, UpdateFigures(math.nan))
     assert text.detector.num_skipped == nan.detector.num_skipped == 1
     messages = [r.getMessage() for r in caplog.records]
     assert any("'1200' is not a positive finite number" in m for m in messages), messages
@@ -66,7 +66,7 @@ def test_a_length_given_as_text_is_skipped_with_the_nan_warning(detector, caplog
 
 def test_a_co_signal_given_as_text_is_not_fed():
     s = LengthSurgeSchedule({})
-    s.observe(1, 1000.0, score="0.5", clip_ratio="0.1", mismatch_kl="0.01")
+    s.observe(1, UpdateFigures(1000.0, score="0.5", clip_ratio="0.1", mismatch_kl="0.01"))
     assert math.isnan(s.score) and math.isnan(s.clip_ratio) and math.isnan(s.mismatch_kl)
     assert s.detector.state_dict()["rows"]["score"] == [] and s.detector.state_dict()["rows"]["clip"] == []
 
@@ -74,14 +74,14 @@ def test_a_co_signal_given_as_text_is_not_fed():
 def test_an_update_counter_that_goes_back_is_warned_about_not_absorbed(caplog):
     s = LengthSurgeSchedule(FAST)
     for u in range(1, 11):
-        s.observe(u, 1000.0)
+        s.observe(u, UpdateFigures(1000.0))
     before = copy.deepcopy(s.detector.state_dict())
     with caplog.at_level(logging.WARNING, logger="verl_lrstab"):
-        fired = s.observe(3, 3800.0)  # a 3.8x length, at a counter that went back from 10 to 3
+        fired = s.observe(3, UpdateFigures(3800.0))  # a 3.8x length, at a counter that went back from 10 to 3
     assert not fired and s.detector.state_dict() == before  # not fed out of order
     assert any("update counter went back from 10 to 3" in r.getMessage() for r in caplog.records)
     # the next update in order is fed and reports the surge
-    assert s.observe(11, 3800.0) and s.trigger_step == 11
+    assert s.observe(11, UpdateFigures(3800.0)) and s.trigger_step == 11
 
 
 # -- a loaded scheduler state ----------------------------------------------------------------------
@@ -193,7 +193,7 @@ def test_a_cusum_state_it_cannot_read_is_refused_naming_the_field(path, value, f
 
 def test_the_detector_alone_refuses_what_it_cannot_read_naming_the_field():
     from verl_lrstab.cusum import CusumDetector
-    from verl_lrstab.detector import SurgeDetector
+    from verl_lrstab.ratio import RatioDetector
     from verl_lrstab.mismatch_trigger import MismatchTrigger
     from verl_lrstab.dataclass_reader import StateFieldError
 
@@ -201,10 +201,10 @@ def test_the_detector_alone_refuses_what_it_cannot_read_naming_the_field():
     state["alarm"]["step"] = 31.0
     with pytest.raises(StateFieldError, match=r"detector\.alarm\.step=31\.0, expected an integer"):
         CusumDetector().load_state_dict(state)
-    ratio = SurgeDetector(FAST).state_dict()
+    ratio = RatioDetector(FAST).state_dict()
     ratio["streak_start"] = "3"
     with pytest.raises(StateFieldError, match=r"detector\.streak_start='3', expected null or an integer"):
-        SurgeDetector(FAST).load_state_dict(ratio)
+        RatioDetector(FAST).load_state_dict(ratio)
     trigger = MismatchTrigger().state_dict()
     del trigger["streak"]
     with pytest.raises(StateFieldError, match=r"mismatch_trigger\.streak=<missing>"):
@@ -250,9 +250,9 @@ def test_a_damaged_megatron_scheduler_state_is_refused_naming_the_step_and_field
         check_megatron_scheduler_state(state)
 
 
-def test_the_dataclass_reader_imports_nothing_of_the_package_so_the_states_need_no_cycle():
-    # cusum, detector, mismatch_trigger and schedule read their states with dataclass_reader; scheduler_state_checks
-    # reads the schedule's state through schedule, so dataclass_reader must import neither (an import cycle otherwise)
+def test_the_dataclass_reader_reader_imports_nothing_of_the_package_so_the_states_need_no_cycle():
+    # cusum, ratio, mismatch_trigger and detectors read their states with dataclass_reader; scheduler_state_checks reads the
+    # schedule's state through detectors, so dataclass_reader must import neither (an import cycle otherwise)
     import ast
     from pathlib import Path
 
@@ -264,6 +264,5 @@ def test_the_dataclass_reader_imports_nothing_of_the_package_so_the_states_need_
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
 
     assert not {m for m in imports("dataclass_reader") if m and m.startswith("verl_lrstab")}
-    for module in ("cusum", "detector", "mismatch_trigger", "schedule"):
-        assert "verl_lrstab.dataclass_reader" in imports(module), module
-        assert "verl_lrstab.scheduler_state_checks" not in imports(module), module
+    for module in ("cusum", "ratio", "mismatch_trigger", "detectors"):
+        assert "verl_lrstab.dataclass_reader" in imports(module) and "verl_lrstab.scheduler_state_checks" not in imports(module), module

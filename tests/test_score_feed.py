@@ -7,7 +7,7 @@ from verl.trainer.ppo.metric_utils import compute_data_metrics
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
-from verl_lrstab.glue.signals import BatchStats, measure_batch, sequence_scores
+from verl_lrstab.glue.batch_figures import BatchStats, measure_batch, sequence_scores
 from verl_lrstab.glue.steps import StepState
 from test_glue import RESPONSE_LENS, padded_batch
 

@@ -115,7 +115,7 @@ def run_python(code, **env):
 
 @pytest.mark.parametrize("broken,target", [
     ("verl_lrstab.glue.registry", "verl_lrstab.glue (the glue itself)"),
-    ("verl_lrstab.schedule", "the package module verl_lrstab.schedule"),
+    ("verl_lrstab.detectors", "the package module verl_lrstab.detectors"),
 ])
 def test_failed_plugin_is_not_silent_when_the_scheduler_is_named(broken, target):
     # Make a module of the glue unimportable, as a broken install would: verl swallows the plugin

@@ -1,4 +1,4 @@
-"""The worker's mismatch split by version lag (glue/signals.py, glue/steps.py), on batches in the layouts
+"""The worker's mismatch split by version lag (glue/batch_figures.py, glue/steps.py), on batches in the layouts
 verl's trainers send: V0's (``DataProto.to_tensordict`` + ``left_right_2_no_padding``: the versions as the agent
 loop's non-tensor fields, as in the one-step-off and fully-async trainers) and V1's (``list_of_dict_to_tensordict``
 of the agent loop's fields: the versions inside ``extra_fields``)."""
@@ -17,7 +17,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from verl_lrstab import version_split
-from verl_lrstab.glue.signals import measure_batch
+from verl_lrstab.glue.batch_figures import measure_batch
 from verl_lrstab.glue.steps import StepState
 from verl_lrstab.glue.worker import version_lags
 

@@ -13,18 +13,24 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "SCHEDULER_NAME": "verl_lrstab.config",
     "LengthSurgeConfig": "verl_lrstab.config",
-    "SurgeDetector": "verl_lrstab.detector",
-    "LengthSurgeSchedule": "verl_lrstab.schedule",
-    "ReplayResult": "verl_lrstab.schedule",
-    "decay_period_from_surge": "verl_lrstab.schedule",
-    "decay_scale": "verl_lrstab.schedule",
-    "replay": "verl_lrstab.schedule",
+    "CusumDetector": "verl_lrstab.cusum",
+    "RatioDetector": "verl_lrstab.ratio",
+    "LengthSurgeSchedule": "verl_lrstab.detectors",
+    "UpdateFigures": "verl_lrstab.detectors",
+    "LengthSurgeLR": "verl_lrstab.scheduler",
+    "ReplayResult": "verl_lrstab.log_replay",
+    "replay": "verl_lrstab.log_replay",
+    "decay_period_from_surge": "verl_lrstab.decay",
+    "decay_scale": "verl_lrstab.decay",
 }
+#: Names kept for code written before a rename: ``SurgeDetector`` is the ratio rule's ``RatioDetector``.
+_ALIASES = {"SurgeDetector": "RatioDetector"}
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [*_EXPORTS, *_ALIASES, "__version__"]
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
+    target = _ALIASES.get(name, name)
+    if target not in _EXPORTS:
         raise AttributeError(f"module 'verl_lrstab' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    return getattr(importlib.import_module(_EXPORTS[target]), target)

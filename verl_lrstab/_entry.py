@@ -14,8 +14,9 @@ be installed are verl's optimizer configs guarded (:func:`verl_lrstab.glue.fails
 import importlib
 
 #: The package's modules a ``length_surge`` run needs, in import order (the glue last).
-PACKAGE_MODULES = ("verl_lrstab._numbers", "verl_lrstab.config", "verl_lrstab.collective", "verl_lrstab.detector", "verl_lrstab.cusum", "verl_lrstab.mismatch_trigger",
-                   "verl_lrstab.schedule", "verl_lrstab.mismatch", "verl_lrstab.scheduler")
+PACKAGE_MODULES = ("verl_lrstab._numbers", "verl_lrstab.config", "verl_lrstab.collective", "verl_lrstab.ratio",
+                   "verl_lrstab.cusum", "verl_lrstab.mismatch_trigger", "verl_lrstab.decay", "verl_lrstab.detectors",
+                   "verl_lrstab.feeding", "verl_lrstab.mismatch", "verl_lrstab.scheduler")
 
 
 def load() -> None:

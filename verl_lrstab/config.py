@@ -19,7 +19,7 @@ from verl_lrstab.dataclass_reader import is_integer
 SCHEDULER_NAME = "length_surge"
 ORIGINS = ("start", "surge")
 TRIGGERS = ("length", "mismatch", "either")
-# ``cusum`` (default): verl_lrstab.cusum; ``ratio``: the first, simpler rule, verl_lrstab.detector.
+# ``cusum`` (default): verl_lrstab.cusum; ``ratio``: the first, simpler rule, verl_lrstab.ratio.
 DETECTORS = ("cusum", "ratio")
 # Options read by one detector only: set away from their default under the other one, they are refused.
 RATIO_ONLY = ("fast_window", "horizon", "baseline_window", "ratio_threshold")

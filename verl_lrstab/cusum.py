@@ -228,7 +228,7 @@ class CusumDetector:
         return out
 
     # -- the update ----------------------------------------------------------------------------
-    def observe(self, step: int, **cosignals: Optional[float]) -> None:
+    def add_cosignals(self, step: int, **cosignals: Optional[float]) -> None:
         """Add observations of step ``step`` of the figures in :data:`COSIGNALS` (None or NaN: not logged).
 
         They are read from the next step on (a decision at step t reads those of steps < t), so the
@@ -246,7 +246,7 @@ class CusumDetector:
         rows = self.rows
         for col, v in ((rows.score, score), (rows.kl, kl), (rows.clip, clip_ratio)):
             _add(col, step, finite_float(v))
-        self.observe(step, **cosignals)
+        self.add_cosignals(step, **cosignals)
         number = finite_float(value)
         if number is None or number <= 0:
             self.num_skipped += 1
@@ -432,7 +432,7 @@ class CusumDetector:
         hi = step - self.lag
         up = 0
         for name, rows in self.rows.co.items():
-            past = [r for r in rows if r[0] < step]  # read from the next step on (see observe)
+            past = [r for r in rows if r[0] < step]  # read from the next step on (see add_cosignals)
             # the newest observation; a return's: its observations of the last FEW_ROWS steps (they rise with it)
             now = [r for r in past if r[0] >= step - FEW_ROWS] if fresh else past[-1:]
             # the reference ends before the observations it is compared with

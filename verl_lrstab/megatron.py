@@ -9,7 +9,7 @@ subclass keeps everything the stock scheduler does (per-group ``max_lr``, weight
 
 ``constant_lr`` is Megatron's own ``constant`` style, warmup included (``init_lr`` ->
 the group's ``max_lr`` over ``lr_warmup_steps``); ``decay_scale`` is the same
-:class:`verl_lrstab.schedule.LengthSurgeSchedule` the FSDP scheduler uses. Megatron's
+:class:`verl_lrstab.detectors.LengthSurgeSchedule` the FSDP scheduler uses. Megatron's
 ``min_lr`` is not used, as in its ``constant`` style: the floor is
 ``length_surge.min_lr_ratio`` x the group's ``max_lr``.
 
@@ -24,7 +24,8 @@ from typing import Any, Mapping, Optional, Union, cast
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from verl_lrstab.config import OPTIM_KEY, SCHEDULER_NAME, LengthSurgeConfig
-from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule, UpdateFigures, cosignal_figures
+from verl_lrstab.detectors import LengthSurgeSchedule, UpdateFigures, cosignal_figures
+from verl_lrstab.feeding import FedSchedule
 from verl_lrstab.scheduler_state_checks import check_megatron_scheduler_state
 
 logger = logging.getLogger("verl_lrstab")
@@ -93,10 +94,10 @@ class LengthSurgeParamScheduler(FedSchedule, OptimizerParamScheduler):
         if self._held:
             return
         if increment > 0 and not self._replaying:
-            self._observe_waiting(self.num_steps + increment, UpdateFigures(
+            self.schedule.observe(self.num_steps + increment, self._step_figures(UpdateFigures(
                 response_length=response_length, mismatch_kl=mismatch_kl, score=score, clip_ratio=clip_ratio,
                 cosignals=cosignal_figures(entropy=entropy, grad_norm=grad_norm, kl_loss=kl_loss,
-                                           pg_clipfrac=pg_clipfrac)))
+                                           pg_clipfrac=pg_clipfrac))))
         super().step(increment)
 
     def constant_lr(self, max_lr: float) -> float:

@@ -122,7 +122,7 @@ def compute_stats(
             layout and shape. None or an empty tensor (while ``old_log_probs`` is not) means the
             rollout returned none: the result is None, so nothing is logged. Equal values (verl's
             bypass mode, even the same tensor) give exact zeros, which the glue recognises
-            (:func:`verl_lrstab.glue.signals.shows_bypass_mode`).
+            (:func:`verl_lrstab.glue.batch_figures.shows_bypass_mode`).
         response_mask: non-zero on the response tokens to count, same layout and shape. Values
             at other positions (padding) are ignored even when NaN/inf.
         threshold: ``|d|`` above which a token counts in ``n_over_threshold``; >= 0.
@@ -283,7 +283,7 @@ class FirstMiniBatchCapture:
     """Mismatch sums of the first ``n_sequences`` sequences the loss sees on this rank.
 
     The loss function, wrapped by :meth:`wrap_loss`, hands every micro-batch's log-probs to
-    :meth:`observe` until the rank's first mini-batch is seen; :meth:`reduce` all-reduces the sums
+    :meth:`add_micro_batch` until the rank's first mini-batch is seen; :meth:`reduce` all-reduces the sums
     over the DP group once (every rank at the same point: the first optimizer step, see
     :meth:`optimizer_pre_hook`, or after the update); :meth:`metrics` gives the ``mismatch/*`` figures.
 
@@ -292,7 +292,7 @@ class FirstMiniBatchCapture:
             until it is reached, later ones are not looked at. >= 1.
         threshold: as :func:`compute_stats`.
 
-    A failure inside :meth:`observe` never reaches the loss: the rank then joins :meth:`reduce`
+    A failure inside :meth:`add_micro_batch` never reaches the loss: the rank then joins :meth:`reduce`
     as a rank that could not measure (:func:`verl_lrstab.collective.all_reduce_or_none`), so every
     rank ends with no figures (None) rather than a partial one.
     """
@@ -313,7 +313,7 @@ class FirstMiniBatchCapture:
         """The whole first mini-batch was observed (or the stats are already reduced)."""
         return self.reduced or self.seen >= self.n_sequences
 
-    def observe(self, log_probs, rollout_log_probs, response_mask, n_sequences: int) -> bool:
+    def add_micro_batch(self, log_probs, rollout_log_probs, response_mask, n_sequences: int) -> bool:
         """Add one micro-batch, unless the first mini-batch is complete. Returns whether it was added.
 
         The tensors are as :func:`compute_stats` takes them (``log_probs`` may require grad: it is
@@ -378,7 +378,7 @@ class FirstMiniBatchCapture:
                     self.failed = exc
                     logger.warning("verl_lrstab: could not read the micro-batch for the bypass-mode figures (%r)", exc)
                     return result
-                self.observe(log_probs, rollout_log_probs, response_mask, n)
+                self.add_micro_batch(log_probs, rollout_log_probs, response_mask, n)
             return result
 
         setattr(loss_with_capture, "__wrapped__", loss_fn)  # inspect.unwrap and verl see the loss it wraps

@@ -108,7 +108,7 @@ def plot_replay(values: pd.Series, steps: Sequence[int], lr_scale: Sequence[floa
 
     Args:
         values: the length metric indexed by step.
-        steps, lr_scale, baseline: from :func:`verl_lrstab.schedule.replay`.
+        steps, lr_scale, baseline: from :func:`verl_lrstab.log_replay.replay`.
         surge_step: the detector's firing step, or None.
         metric: the metric name, for the axis label.
         path: where to save the PNG.

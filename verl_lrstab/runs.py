@@ -421,7 +421,7 @@ def _as_step(value) -> int:
 
 # -- the detector's co-signals in a log ----------------------------------------------------------------
 #: The figures verl logs on every step that ``detector: cusum`` reads, by the name
-#: :meth:`verl_lrstab.cusum.CusumDetector.observe` takes: what a length_surge run's trainer
+#: :meth:`verl_lrstab.cusum.CusumDetector.add_cosignals` takes: what a length_surge run's trainer
 #: consumed (``actor/lrstab/...``) first, then verl's own columns.
 COSIGNAL_METRICS = {
     # actor/entropy: verl's old-log-prob pass (recompute); actor/entropy_loss: the update's own, where it computes
@@ -450,7 +450,7 @@ def cosignal_columns(df: pd.DataFrame) -> dict[str, str]:
 
 def replay_with_cosignals(steps, values, config=None, warmup_steps: int = 0, mismatch_kl=None, score=None,
                           clip_ratio=None, cosignals: dict | None = None):
-    """:func:`verl_lrstab.schedule.replay` with the detector's co-signals fed too.
+    """:func:`verl_lrstab.log_replay.replay` with the detector's co-signals fed too.
 
     ``cosignals``: ``{name: column}`` (names of :data:`COSIGNAL_METRICS`), each aligned with
     ``steps`` (None/NaN where a step did not log it). Without any it is ``replay`` itself. Each
@@ -458,7 +458,7 @@ def replay_with_cosignals(steps, values, config=None, warmup_steps: int = 0, mis
     (it has an update's figures only after the update); the detector reads them from the next
     step on, so the order does not change a decision.
     """
-    from verl_lrstab.schedule import replay
+    from verl_lrstab.log_replay import replay
 
     return replay(steps, values, config, warmup_steps, mismatch_kl=mismatch_kl, score=score, clip_ratio=clip_ratio,
                   cosignals=cosignals)

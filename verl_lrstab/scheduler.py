@@ -10,7 +10,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.schedule import FedSchedule, LengthSurgeSchedule, UpdateFigures, cosignal_figures
+from verl_lrstab.detectors import LengthSurgeSchedule, UpdateFigures, cosignal_figures
+from verl_lrstab.feeding import FedSchedule
 from verl_lrstab.scheduler_state_checks import check_lr_scheduler_state
 
 logger = logging.getLogger("verl_lrstab")
@@ -75,10 +76,10 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
         if self._held:
             return
         if not self._is_initial:
-            self._observe_waiting(self.last_epoch + 1, UpdateFigures(
+            self.schedule.observe(self.last_epoch + 1, self._step_figures(UpdateFigures(
                 response_length=response_length, mismatch_kl=mismatch_kl, score=score, clip_ratio=clip_ratio,
                 cosignals=cosignal_figures(entropy=entropy, grad_norm=grad_norm, kl_loss=kl_loss,
-                                           pg_clipfrac=pg_clipfrac)))
+                                           pg_clipfrac=pg_clipfrac))))
         super().step()
 
     def get_lr(self) -> list[float | torch.Tensor]:  # torch's type: a base LR may be a tensor

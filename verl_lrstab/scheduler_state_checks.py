@@ -14,7 +14,7 @@ from dataclasses import fields
 from typing import Any, Optional
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.schedule import ScheduleState
+from verl_lrstab.detectors import ScheduleState
 from verl_lrstab.dataclass_reader import MISSING, StateFieldError, is_finite, is_integer, shown
 
 
@@ -105,7 +105,7 @@ def _check_options(c: "_Checker", state: dict, name: str) -> None:
 
 
 def check_schedule_state(state: Any, step: Any = None) -> None:  # step: a label, "?" when unknown
-    """``LengthSurgeSchedule.state_dict()``, read as :class:`verl_lrstab.schedule.ScheduleState` (every field of
+    """``LengthSurgeSchedule.state_dict()``, read as :class:`verl_lrstab.detectors.ScheduleState` (every field of
     it and of the detector's and trigger's states present, known and of its type; rows ``[step, finite value]``)."""
     c = _Checker(step, "length_surge state")
     try:

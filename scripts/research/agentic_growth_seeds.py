@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import test_agentic_e2e as e2e  # noqa: E402
 
 from verl_lrstab.runs import read_metrics  # noqa: E402
-from verl_lrstab.schedule import replay  # noqa: E402
+from verl_lrstab.log_replay import replay  # noqa: E402
 from verl_lrstab_cpu.assets import build_assets  # noqa: E402
 from verl_lrstab_cpu.launch import REPO_ROOT, RunResult, run_main_ppo  # noqa: E402
 

@@ -9,7 +9,7 @@ forward-filled from it; every column logged every 5 or 10 steps), the 34
 length-only synthetic traces (``scripts/research/traces``, ``scripts/research/synthetic_traces.py``) and the real
 traces of ``--real DIR`` (default ``scripts/research/traces/sparse``, fed as logged). Rules:
 
-- ``cusum``: :func:`verl_lrstab.runs.replay_with_cosignals` (``schedule.replay`` plus verl's
+- ``cusum``: :func:`verl_lrstab.runs.replay_with_cosignals` (``log_replay.replay`` plus verl's
   co-signals) with the default ``LengthSurgeConfig`` (``detector: cusum``), fed every co-signal
   the run has (the trainer's code path);
 - ``cusum, no KL``: the same without the mismatch KL (a verl run without mismatch figures: what
@@ -50,8 +50,9 @@ import yaml  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from verl_lrstab.config import LengthSurgeConfig  # noqa: E402
+from verl_lrstab.decay import decay_period_from_surge, num_decays  # noqa: E402
+from verl_lrstab.log_replay import replay  # noqa: E402
 from verl_lrstab.runs import load_run, metric_series, replay_with_cosignals  # noqa: E402
-from verl_lrstab.schedule import decay_period_from_surge, num_decays, replay  # noqa: E402
 
 SEEDS = range(40)
 HEALTHY = "CDEFHLMNPQRS"  # the classes that must never fire
@@ -324,7 +325,7 @@ def summary_references(groups: dict[str, list[dict]]) -> str:
 
 def first_cut(trigger: int, origin: str, config: LengthSurgeConfig) -> int:
     """The first update whose LR is cut after a detection at ``trigger``, with ``origin``
-    (:func:`verl_lrstab.schedule.num_decays` and :func:`~verl_lrstab.schedule.decay_period_from_surge`)."""
+    (:func:`verl_lrstab.decay.num_decays` and :func:`~verl_lrstab.decay.decay_period_from_surge`)."""
     period = config.decay_period or decay_period_from_surge(trigger, config.period_factor)
     return next(u for u in range(1, trigger + 2 * period + 2) if num_decays(u, period, origin, trigger) >= 1)
 
@@ -430,7 +431,7 @@ def main() -> None:
             + "\n\n## Against the references, per class and form\n\n" + summary_references.__doc__.split("\n\n")[1]
             .strip().replace("\n    ", " ") + "\n\n" + versus
             + "\n\n## The first LR cut and the crash, per `origin`\n\nDense logs, the default `cusum`; the "
-            "first cut is the first update whose LR is decayed (`schedule.num_decays`), the period "
+            "first cut is the first update whose LR is decayed (`decay.num_decays`), the period "
             "`decay_period_from_surge` of the detection step.\n\n" + origins
             + "\n\n## Every rule, every class and the 34 traces\n\n" + head + "\n\n" + tail
             + "\n\n## Every run (dense logs)\n\nCells: detection step; **miss** / **late** / **early** / "

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_lrstab.schedule import replay
+from verl_lrstab.log_replay import replay
 from verl_lrstab_cpu.agentic import AGENT_NAME, TRACE_ENV, write_tool_config
 
 pytestmark = pytest.mark.e2e

@@ -19,9 +19,10 @@ import torch
 from omegaconf import OmegaConf
 
 from verl_lrstab.config import LengthSurgeConfig
-from verl_lrstab.glue.cosignals import UPDATE_FIGURES
+from verl_lrstab.detectors import UpdateFigures
+from verl_lrstab.glue.update_metrics import UPDATE_FIGURES
+from verl_lrstab.log_replay import replay
 from verl_lrstab_cpu.launch import CONFIG_DIR
-from verl_lrstab.schedule import UpdateFigures, replay
 from verl_lrstab.scheduler import LengthSurgeLR
 
 pytestmark = pytest.mark.e2e

@@ -120,7 +120,7 @@ def test_real_pilot_4s_climb_back_after_its_length_collapse_is_no_surge_for_the_
     the run's own baseline window, 20 steps ending 3 back, nor with today's defaults)."""
     from verl_lrstab.config import LengthSurgeConfig
     from verl_lrstab.runs import load_run, metric_series
-    from verl_lrstab.schedule import replay
+    from verl_lrstab.log_replay import replay
 
     df = load_run(real_report.ARCHIVE / "bp_const-t1-lr3e-05-p2-s1" / "metrics.jsonl.gz")
     fed = {k: metric_series(df, f"actor/lrstab/{k}") for k in ("response_length", "mismatch_kl", "score", "clip_ratio",

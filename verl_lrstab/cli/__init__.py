@@ -10,7 +10,7 @@
 
 RUN is verl's file-logger JSONL, a TensorBoard log directory or a CSV with a step column
 (:mod:`verl_lrstab.runs`). The detector and the schedule are
-:func:`verl_lrstab.schedule.replay`, the code the trainer runs. Exit status: 0 done,
+:func:`verl_lrstab.log_replay.replay`, the code the trainer runs. Exit status: 0 done,
 1 unreadable run / missing metric / invalid option value, 2 usage error, 3 ``calibrate``
 found no surge. A module a subcommand; the shared options and metric names are in
 :mod:`verl_lrstab.cli.common`.

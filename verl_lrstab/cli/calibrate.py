@@ -14,8 +14,8 @@ from verl_lrstab.cli.common import (
 )
 from verl_lrstab.cli.replay import KL_HELP, print_head, replay_run, replayed_length
 from verl_lrstab.config import OPTIM_KEY, OPTIONS_KEY
+from verl_lrstab.decay import decay_scale
 from verl_lrstab.runs import RunError, load_run
-from verl_lrstab.schedule import decay_scale
 
 
 def cmd_calibrate(args) -> int:

@@ -36,7 +36,7 @@ def checks() -> Iterable[tuple]:
     """
     import verl
 
-    from verl_lrstab.glue import registry, signals, wraps
+    from verl_lrstab.glue import batch_figures, registry, wraps
     from verl_lrstab.glue.failsafe import TESTED_VERL, serves_tested_verl
 
     version = verl.__version__
@@ -61,7 +61,7 @@ def checks() -> Iterable[tuple]:
             continue
         yield f"{wrap.target} exists", True, ""
         yield from wraps.shape_checks(wrap, module, current)
-    yield from signals.assumption_checks()
+    yield from batch_figures.assumption_checks()
 
 
 def line(name: str, ok, detail: str) -> str:

@@ -10,8 +10,8 @@ from dataclasses import fields
 import yaml
 
 from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig, option_docs
+from verl_lrstab.log_replay import ReplayResult
 from verl_lrstab.runs import RunError
-from verl_lrstab.schedule import ReplayResult
 from verl_lrstab.dataclass_reader import is_integer
 
 # Metric names as verl (and the peers whose exports people compare against) log them.

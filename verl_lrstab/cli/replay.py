@@ -21,10 +21,10 @@ from verl_lrstab.cli.common import (
     scheduler_config,
 )
 from verl_lrstab.config import LengthSurgeConfig
+from verl_lrstab.log_replay import ReplayResult
 from verl_lrstab.plot_extra import load_plots
 from verl_lrstab.runs import (MissingMetricError, RunError, cosignal_columns, find_metric, length_column, load_run,
                               metric_series, replay_with_cosignals)
-from verl_lrstab.schedule import ReplayResult
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -8,9 +8,10 @@
   :mod:`.config_classes` builds them.
 - :mod:`.engine`: the engines build our scheduler.
 - :mod:`.worker`: the actor update (``TrainingWorker.train_mini_batch``) and the old-log-prob pass.
-- :mod:`.signals`: the batch's figures, measured as verl logs them, over the global batch (one collective).
+- :mod:`.batch_figures`: the batch's figures, measured as verl logs them, over the global batch (one collective).
 - :mod:`.steps`: one trainer step's state, and an update from its figures to verl's, in both modes.
-- :mod:`.cosignals`: after verl's update: what it logged (one collective), fed; the step's figures logged.
+- :mod:`.update_metrics`: verl's update metrics: the co-signals read from them (one collective), fed; the step's
+  figures added to them.
 - :mod:`.driver`: the trainer-side checks and tags (V0, V1), pre-rejection mismatch.
 - :mod:`.nodes`: every node of the run's Ray cluster imports the package (checked by the driver).
 - :mod:`.refusals`: where ``length_surge`` is refused by name.

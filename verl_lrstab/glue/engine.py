@@ -9,8 +9,8 @@ there. Any other scheduler name goes to verl's builder untouched.
 from __future__ import annotations
 
 from verl_lrstab.config import SCHEDULER_NAME
+from verl_lrstab.glue.batch_figures import check_assumptions_once
 from verl_lrstab.glue.failsafe import check_usable
-from verl_lrstab.glue.signals import check_assumptions_once
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
 
 

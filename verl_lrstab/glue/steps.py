@@ -1,14 +1,15 @@
 """One trainer step of a ``length_surge`` run on the worker: its state, and an actor update from its figures to verl's.
 
 A trainer step runs one actor update (``separate_async``: several). The worker (:mod:`.worker`)
-measures the batch (:func:`.signals.measure_batch`, one collective) and hands it to
+measures the batch (:func:`.batch_figures.measure_batch`, one collective) and hands it to
 :func:`run_update`: the step's state opens (:func:`begin_update`), the batch's figures are summed
 into it and, on the step's last update, handed to the scheduler
-(:meth:`~verl_lrstab.schedule.FedSchedule.observe_update`) before verl's update, which steps it;
-within the step the LR is held. In bypass mode (:attr:`.signals.BatchStats.bypass`) the mismatch
+(:meth:`~verl_lrstab.feeding.FedSchedule.observe_update`) before verl's update, which steps it;
+within the step the LR is held. In bypass mode (:attr:`.batch_figures.BatchStats.bypass`) the mismatch
 figure comes from the first mini-batch's forward instead, reduced at the first optimizer step
 (one more collective, :func:`verl_lrstab.mismatch.capture_first_mini_batch`) and handed over
-then. :mod:`.cosignals` finishes the update. The state is kept per scheduler on our own object
+again then, in place of the figures handed, while the scheduler has not taken them.
+:mod:`.update_metrics` finishes the update. The state is kept per scheduler on our own object
 (:class:`StepState`), never on verl's.
 """
 
@@ -25,9 +26,10 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from verl_lrstab import mismatch, version_split
-from verl_lrstab.glue import signals
-from verl_lrstab.glue.cosignals import CosignalSums
-from verl_lrstab.schedule import FedSchedule, UpdateFigures
+from verl_lrstab.detectors import UpdateFigures
+from verl_lrstab.feeding import FedSchedule
+from verl_lrstab.glue import batch_figures
+from verl_lrstab.glue.update_metrics import CosignalSums
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -76,7 +78,7 @@ class StepPosition(NamedTuple):
 class StepState:
     """What the glue keeps per scheduler between the updates of a run: the sums of the current trainer
     step's batch figures and its ``mismatch/*`` figures to log, its co-signals
-    (:class:`~.cosignals.CosignalSums`), and the counters of the failure rules."""
+    (:class:`~.update_metrics.CosignalSums`), and the counters of the failure rules."""
 
     def __init__(self):
         self.unmeasured_steps = 0
@@ -101,10 +103,9 @@ class StepState:
         self.bypass = False  # the step's batches show verl's bypass mode
         self.logged: dict = {}  # the step's mismatch/* and lrstab/model_tokens figures, logged on its last update
         self.length_logged: dict = {}  # the step's lrstab/model_tokens (kept when bypass mode's mismatch comes)
-        self.fed: Optional[UpdateFigures] = None  # handed to the scheduler, its step not taken yet
 
-    def add_batch(self, stats: signals.BatchStats) -> None:
-        """Add one update's :class:`~.signals.BatchStats` (bypass mode's mismatch comes from elsewhere)."""
+    def add_batch(self, stats: batch_figures.BatchStats) -> None:
+        """Add one update's :class:`~.batch_figures.BatchStats` (bypass mode's mismatch comes from elsewhere)."""
         if stats.length is None or stats.model_tokens is None:
             self.model_tokens_valid = False
         else:
@@ -195,10 +196,10 @@ class StepState:
         ), figures
 
     def feed_figures(self, scheduler: FedSchedule, position: StepPosition) -> UpdateFigures:
-        """The step's batch figures to hand the scheduler (verl's engine then steps it), kept as :attr:`fed`, and its
-        ``mismatch/*`` as :attr:`logged`; counts the failures (the figures are handed in :func:`run_update`)."""
+        """The step's batch figures to hand the scheduler (verl's engine then steps it), its ``mismatch/*`` kept as
+        :attr:`logged`; counts the failures (the figures are handed in :func:`run_update`)."""
         length_tokens = scheduler.config.length_tokens
-        self.fed, logged = self.figures(scheduler.config.mismatch_metric, position.is_async, length_tokens)
+        fed, logged = self.figures(scheduler.config.mismatch_metric, position.is_async, length_tokens)
         self.length_logged = self.model_token_figures()
         self.logged = {**self.length_logged, **(logged or {})}
         if self.length[1] > 0 and not self.length_unmeasured:
@@ -221,7 +222,7 @@ class StepState:
                                 "lists what in this verl no longer matches.")
         else:
             self.unmeasured_steps = 0
-        return self.fed
+        return fed
 
     def model_token_figures(self) -> dict:
         """``{"lrstab/model_tokens": the mean of the model's own tokens per response}`` of the step (logged
@@ -231,20 +232,21 @@ class StepState:
             return {}
         return {MODEL_TOKENS_KEY: self.model_tokens / count}
 
-    def take_first_mini_batch(self, scheduler: FedSchedule, position: StepPosition,
+    def take_first_mini_batch(self, scheduler: FedSchedule, position: StepPosition, handed: Optional[UpdateFigures],
                               stats: Optional[torch.Tensor]) -> None:
         """Bypass mode: the first mini-batch's global mismatch stats (None: not measured), at its optimizer step or,
         late, after the update. They join the step's; on its last update the step's ``mismatch/*`` are logged
-        and, while its scheduler step is not taken (:attr:`fed`), its mismatch figure is handed over."""
+        and, while the scheduler has not taken the figures ``handed`` to it (its step not taken), they are
+        handed again with this mismatch figure."""
         self.add_mismatch(stats)
         if not position.last:
             return
         figures = self.mismatch_figures()
         self.logged = {**self.length_logged, **({**figures, mismatch.BYPASS_KEY: 1.0} if figures else {})}
-        if self.fed is not None:
+        if handed is not None and scheduler.figures_waiting:
             metric = f"mismatch/{scheduler.config.mismatch_metric}"
             kl = None if (not figures or position.is_async) else figures.get(metric)
-            scheduler.observe_update(dataclasses.replace(self.fed, mismatch_kl=kl))
+            scheduler.observe_update(dataclasses.replace(handed, mismatch_kl=kl))
 
 
 _announced: "weakref.WeakKeyDictionary[FedSchedule, bool]" = weakref.WeakKeyDictionary()
@@ -306,7 +308,7 @@ def begin_update(scheduler: FedSchedule, position: StepPosition) -> StepState:
     return state
 
 
-def run_update(worker, data, scheduler: FedSchedule, batch: signals.BatchStats, position: StepPosition,
+def run_update(worker, data, scheduler: FedSchedule, batch: batch_figures.BatchStats, position: StepPosition,
                run: Callable) -> tuple:
     """One actor update from its batch's figures to verl's update (``run``). Returns ``(verl's output, the step's
     :class:`StepState`)``.
@@ -320,6 +322,7 @@ def run_update(worker, data, scheduler: FedSchedule, batch: signals.BatchStats, 
     first = first_mini_batch_size(worker, data) if batch.bypass else 0  # what bypass mode captures
     state.add_batch(batch)
     figures = state.feed_figures(scheduler, position) if position.last else None
+    handed = None if figures is None else dataclasses.replace(figures, updates_per_step=position.count)
     capture: contextlib.AbstractContextManager = contextlib.nullcontext()
     if batch.bypass:  # old_log_probs := rollout_log_probs: the figures from the loss's own forward
         mismatch.warn_once("bypass")
@@ -327,13 +330,12 @@ def run_update(worker, data, scheduler: FedSchedule, batch: signals.BatchStats, 
         capture = mismatch.capture_first_mini_batch(
             worker, first, micro_batch_view, optimizer=getattr(engine, "optimizer", None),
             group=engine.get_data_parallel_group(),
-            on_reduced=functools.partial(state.take_first_mini_batch, scheduler, position))
+            on_reduced=functools.partial(state.take_first_mini_batch, scheduler, position, handed))
     hold = contextlib.nullcontext() if position.last else scheduler.holding()
     with hold, capture:
-        if figures is not None:
-            scheduler.observe_update(dataclasses.replace(figures, updates_per_step=position.count))
+        if handed is not None:
+            scheduler.observe_update(handed)
         output = run()
-        state.fed = None  # the step is taken: a figure reduced after the update is logged, not fed
     if batch.bypass and position.last and not state.logged:
         mismatch.warn_once("bypass_failed")
     return output, state

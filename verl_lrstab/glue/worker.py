@@ -3,9 +3,9 @@
 verl's engine steps the LR scheduler with no argument and the batch never reaches it, so the
 glue wraps ``TrainingWorker.train_mini_batch`` (one call = one actor update): for a run whose
 engine holds one of our schedulers, it reads the driver's tags, then calls in order
-:func:`.signals.measure_batch` (the global length, score and mismatch figures),
+:func:`.batch_figures.measure_batch` (the global length, score and mismatch figures),
 :func:`.steps.run_update` (handed to the scheduler, verl's update) and
-:func:`.cosignals.finish_update` (what the update logged; the ``lrstab/*`` and ``mismatch/*``
+:func:`.update_metrics.finish_update` (what the update logged; the ``lrstab/*`` and ``mismatch/*``
 figures added to the metrics verl returns). Any other run goes straight to verl.
 
 verl's V1 ``separate_async`` trainer runs ``parameter_sync_step`` updates per trainer step;
@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 
 from verl_lrstab.config import OPTIONS_KEY
-from verl_lrstab.glue import cosignals, signals
+from verl_lrstab.feeding import FedSchedule
+from verl_lrstab.glue import batch_figures, update_metrics
 from verl_lrstab.glue.steps import (PRE_RS_STATS_KEY, STEP_POSITION_KEY, VERSION_LAGS_KEY, GlueError, StepPosition,
                                     run_update, state_of)
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
-from verl_lrstab.schedule import FedSchedule
 
 logger = logging.getLogger("verl_lrstab")
 
@@ -61,9 +61,9 @@ def _train_mini_batch(original_fn, self, *args, **kwargs):
         raise GlueError(f"{OPTIONS_KEY}.trigger={scheduler.config.trigger!r} needs the rollout engine's log-probs, "
                         "and the actor batch has no 'rollout_log_probs': set "
                         "actor_rollout_ref.rollout.calculate_log_probs=true (or trigger: length)")
-    batch = signals.measure_batch(data, self.engine.get_data_parallel_group(), position.cap or None, pre_rs, lags)
+    batch = batch_figures.measure_batch(data, self.engine.get_data_parallel_group(), position.cap or None, pre_rs, lags)
     output, state = run_update(self, data, scheduler, batch, position, lambda: original_fn(self, *args, **kwargs))
-    return cosignals.finish_update(scheduler, state.cosignals, output, position.last, state.logged)
+    return update_metrics.finish_update(scheduler, state.cosignals, output, position.last, state.logged)
 
 
 def step_position(value) -> StepPosition:
@@ -111,6 +111,6 @@ def _infer_batch(original_fn, self, *args, **kwargs):
         tu.get(data, key="compute_loss", default=True)
     output = original_fn(self, *args, **kwargs)
     if old_log_prob_pass:  # every rank of the default group, each such pass: one collective
-        state_of(self.engine.lr_scheduler).cosignals.entropy = cosignals.old_log_prob_entropy(output, data)
+        state_of(self.engine.lr_scheduler).cosignals.entropy = update_metrics.old_log_prob_entropy(output, data)
     return output
 

@@ -25,7 +25,8 @@ from verl_lrstab.guard.overrides import override
 from verl_lrstab.reward_crash import reward_crash
 from verl_lrstab.reward_crash import score_floor as _floor
 from verl_lrstab.runs import MissingMetricError, length_column
-from verl_lrstab.schedule import decay_period_from_surge, num_decays, replay
+from verl_lrstab.decay import decay_period_from_surge, num_decays
+from verl_lrstab.log_replay import replay
 
 logger = logging.getLogger("verl_lrstab")
 

@@ -43,7 +43,7 @@ from verl_lrstab.guard.preflight import first_launch, resume_problem, tracker_pr
 from verl_lrstab.guard.run_state import STATE, GuardState, Pending, Rule, load_state
 from verl_lrstab.guard.watchdog import ENV_RUN, raise_on_signal, start_supervised, stop_group, stop_survivors
 from verl_lrstab.runs import read_metrics
-from verl_lrstab.schedule import num_decays
+from verl_lrstab.decay import num_decays
 
 logger = logging.getLogger("verl_lrstab")
 

@@ -1,4 +1,4 @@
-"""Online detector of a surge in the per-step mean response length (pure Python).
+"""``detector: ratio``: the ratio rule, a surge in the per-step mean response length as a level against a baseline (pure Python).
 
 A surge is a fast rise: the current level (median of the last ``fast_window``
 steps) reaches ``ratio_threshold`` x the baseline (median of a
@@ -29,7 +29,7 @@ _NAN = float("nan")
 
 @dataclass
 class RatioState:
-    """:meth:`SurgeDetector.state_dict` as a dataclass (saved as plain types: ``dataclasses.asdict``)."""
+    """:meth:`RatioDetector.state_dict` as a dataclass (saved as plain types: ``dataclasses.asdict``)."""
 
     history: list[Row]  # the steps the windows can still reach
     first_step: Optional[int]  # the first step after skip_first_steps, and its baseline_window values
@@ -49,7 +49,7 @@ class RatioState:
         require(self.num_skipped >= 0, "num_skipped", self.num_skipped, "an integer >= 0")
 
 
-class SurgeDetector:
+class RatioDetector:
     """Detects a response-length surge from one value per step (``detector: ratio``).
 
     Args:
@@ -68,14 +68,14 @@ class SurgeDetector:
     reported.
 
     Example:
-        >>> det = SurgeDetector({"skip_first_steps": 0, "horizon": 5, "baseline_window": 3, "fast_window": 2,
+        >>> det = RatioDetector({"skip_first_steps": 0, "horizon": 5, "baseline_window": 3, "fast_window": 2,
         ...                      "patience": 2})
         >>> [det.update(s, v) for s, v in enumerate([100] * 8 + [300] * 4, start=1)][-4:]
         [False, True, False, False]
     """
 
     def __init__(self, config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None):
-        c = options_for(config, "SurgeDetector", detector=("ratio",))
+        c = options_for(config, "RatioDetector", detector=("ratio",))
         self.skip_first_steps, self.max_surges, self.patience = c.skip_first_steps, c.max_surges, c.patience
         self.fast_window, self.horizon, self.baseline_window = c.fast_window, c.horizon, c.baseline_window
         self.ratio_threshold = c.ratio_threshold
@@ -151,7 +151,7 @@ class SurgeDetector:
             return True
         return False
 
-    def observe(self, step: int, **cosignals: Optional[float]) -> None:
+    def add_cosignals(self, step: int, **cosignals: Optional[float]) -> None:
         """Co-signals of step ``step`` (verl's own figures of the update): accepted, not read."""
 
     def metrics(self) -> dict:

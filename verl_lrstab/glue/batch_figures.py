@@ -5,7 +5,7 @@ score and mismatch statistics of one actor batch, and whether they show verl's b
 collective over the data-parallel group, before verl's update. One convention for a rank that cannot measure
 (:func:`verl_lrstab.collective.reduce_or_none`: if one rank cannot, no rank gets the figure, so
 every rank takes the same decision). Measuring only: what is kept between the updates of a
-trainer step is :mod:`.steps`'; what verl's update itself gives, after it, :mod:`.cosignals`'.
+trainer step is :mod:`.steps`'; what verl's update itself gives, after it, :mod:`.update_metrics`'.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""After verl's update: the co-signals it gives, summed over the trainer step, fed; the step's figures logged.
+"""verl's update metrics: the co-signals read from them, summed over the trainer step and fed; the step's figures
+added to them.
 
 The co-signals of ``detector: cusum`` are what verl's update logged (grad norm, KL loss, clip
 fraction, entropy: :data:`UPDATE_FIGURES`) and the entropy of its old-log-prob pass
 (:func:`old_log_prob_entropy`, kept by the worker's ``infer_batch`` wrap). They exist only once the
 update ran, after the scheduler stepped, so they cannot travel with the batch's collective
-(:func:`.signals.measure_batch`): :func:`finish_update` measures them in one collective over the
+(:func:`.batch_figures.measure_batch`): :func:`finish_update` measures them in one collective over the
 default group, sums them over the trainer step's updates (:class:`CosignalSums`, part of the step's
 :class:`~.steps.StepState`) and, on the step's last update, feeds their means to the scheduler
-(:meth:`~verl_lrstab.schedule.FedSchedule.observe_update`) and adds the step's ``lrstab/*`` and
+(:meth:`~verl_lrstab.feeding.FedSchedule.observe_update`) and adds the step's ``lrstab/*`` and
 ``mismatch/*`` figures to the metrics verl returns.
 """
 
@@ -20,7 +21,8 @@ import torch
 
 from verl_lrstab._numbers import finite_float
 from verl_lrstab.collective import all_reduce_or_none
-from verl_lrstab.schedule import FedSchedule, UpdateFigures
+from verl_lrstab.detectors import UpdateFigures
+from verl_lrstab.feeding import FedSchedule
 
 logger = logging.getLogger("verl_lrstab")
 
