@@ -192,7 +192,8 @@ def test_in_bypass_mode_an_async_step_logs_the_first_mini_batchs_figures_unsplit
     state.add_batch(stats)
     fed = state.feed_figures(scheduler, position)
     assert fed.mismatch_kl is None and not any(k.startswith("mismatch/") for k in state.logged)
-    state.take_first_mini_batch(scheduler, position, measure_batch(v0_batch()).mismatch)  # the forward's sums
+    scheduler.observe_update(fed)  # handed before the update, as run_update does
+    state.take_first_mini_batch(scheduler, position, fed, measure_batch(v0_batch()).mismatch)  # the forward's sums
     assert state.logged["mismatch/k3"] == pytest.approx(every_token_k3(), rel=1e-12)
     assert state.logged[mismatch.BYPASS_KEY] == 1.0
     assert not any(k.startswith("mismatch/stale/") for k in state.logged)
