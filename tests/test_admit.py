@@ -9,7 +9,7 @@ import pytest
 
 from verl_lrstab.admit import (DEFAULT_BUDGET_K3, Budget, calibrated_budget, drift_ratio, judge, report_json,
                                report_table)
-from verl_lrstab.rollout_checks import Finding
+from verl_lrstab.mismatch_checks import Finding
 
 
 def steps(k3s, **other):
