@@ -60,6 +60,8 @@ def test_every_field_is_declared_with_its_default_and_type():
         # one line, no bound or default of its own (they are rendered from the declaration: no second copy)
         assert o.meaning and "\n" not in o.meaning and not o.meaning.endswith("."), key
         assert not re.search(r"\bDefault\b|\(>=? \d|\bin [(\[]\d", o.meaning), f"{key} restates a bound: {o.meaning}"
+        # the installed package's texts name no path it does not ship (tests/test_install.py): a page is `see`
+        assert "docs/" not in o.meaning and (not o.see or (ROOT / "docs" / o.see.split("#")[0]).is_file()), key
         for other, _ in o.read_with:
             assert other in FIELDS and DECLARED[other].allowed.kind == "choice", key
 

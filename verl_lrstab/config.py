@@ -151,6 +151,7 @@ class Option:
         set_by (str): ``"user"``, or :data:`GUARD` for the options ``lrstab guard`` sets on each relaunch.
         replayed (bool): whether ``lrstab replay`` reads it (``--help`` lists it); False: read only when a
             checkpoint is loaded.
+        see (str): the manual's page that says more (``detector.md#the-surge-detector``), linked from its table.
     """
 
     default: Any
@@ -160,6 +161,7 @@ class Option:
     training: Optional[Unread] = None
     set_by: str = "user"
     replayed: bool = True
+    see: str = ""
 
     @property
     def read_text(self) -> str:
@@ -224,15 +226,14 @@ class LengthSurgeConfig:
     guard_rollbacks: int = option(
         0, "the rollbacks before this launch, logged as `actor/lrstab/rollbacks`", integer(0), set_by=GUARD)
     trigger: str = option(
-        "length", "what starts the decay: `length` (the paper), `mismatch` (the mismatch KL exceeds its budget: "
-        "docs/mismatch.md#optional-mismatch-trigger-for-the-lr-decay) or `either` (whichever fires first)",
-        one_of(*TRIGGERS))
+        "length", "what starts the decay: `length` (the paper), `mismatch` (the mismatch KL exceeds its budget) or "
+        "`either` (whichever fires first)", one_of(*TRIGGERS), see="mismatch.md#optional-mismatch-trigger-for-the-lr-decay")
     detector: str = option(
-        "cusum", "the length-surge test (docs/detector.md#the-surge-detector): `cusum`, a CUSUM of noise-scaled "
+        "cusum", "the length-surge test: `cusum`, a CUSUM of noise-scaled "
         "log-length rises confirmed by witnesses (the score, the mismatch KL, the clip share and verl's "
         "`actor/grad_norm`, `actor/kl_loss`, `actor/pg_clipfrac`, `actor/entropy`); `ratio`, a simpler rule: the "
         "length's level against a baseline `horizon` steps back. An option the chosen detector does not read is "
-        "refused", one_of(*DETECTORS))
+        "refused", one_of(*DETECTORS), see="detector.md#the-surge-detector")
     skip_first_steps: int = option(
         10, "updates the detectors and the mismatch trigger ignore (warmup and format learning)", integer(0))
     fast_window: int = option(
@@ -299,7 +300,7 @@ class LengthSurgeConfig:
     mismatch_calibration_steps: int = option(
         10, "valid steps after `skip_first_steps` that calibrate the budget", integer(1), read_with=_MISMATCH)
     mismatch_metric: str = option(
-        "k3", "the mismatch figure the trigger watches (docs/mismatch.md)", one_of(*MISMATCH_METRICS))
+        "k3", "the mismatch figure the trigger watches", one_of(*MISMATCH_METRICS), see="mismatch.md")
     monitor_only: bool = option(
         False, "run the detector(s) and log every `lrstab/*` and `mismatch/*` figure, but never decay: the LR is "
         "verl's constant schedule, warmup included (the constant-LR arm of a comparison)", FLAG)
@@ -307,14 +308,14 @@ class LengthSurgeConfig:
         "auto", "which tokens of a response the detector counts as its length: `auto`, the model's own "
         "(`response_mask`) on a trainer step whose responses hold tokens the model did not sample (tool output in "
         "a multi-turn rollout), else every response token (verl's `response_length/mean`, the same number "
-        "there); `model`, the model's own always; `all`, every response token always (docs/agentic.md)",
-        one_of(*LENGTH_TOKENS))
+        "there); `model`, the model's own always; `all`, every response token always",
+        one_of(*LENGTH_TOKENS), see="agentic.md")
     dismiss_trigger_step: Optional[int] = option(
         None, "the update at which a decay judged a false alarm started (`actor/lrstab/trigger_step`, the update "
         "the WARNING names): a run resumed from a checkpoint whose decay started there resumes at the initial LR "
         "with the detector re-armed from the checkpoint's step; a checkpoint without that decay, and a later "
-        "decay, are not affected, so it may stay set; not with `decay_from_step` (docs/integration.md)",
-        integer(1, MAX_DECAY_PERIOD, nullable=True), replayed=False)
+        "decay, are not affected, so it may stay set; not with `decay_from_step`",
+        integer(1, MAX_DECAY_PERIOD, nullable=True), replayed=False, see="integration.md")
 
     def __post_init__(self):
         specs = options()
