@@ -10,7 +10,7 @@ import pytest
 
 from verl_lrstab.admit.verdict import (DEFAULT_BUDGET_K3, Budget, calibrated_budget, drift_ratio, judge,
                                        report_json, report_table)
-from verl_lrstab.config_checks import Finding
+from verl_lrstab.mismatch_checks import Finding
 from verl_lrstab.runs import load_run, metric_series
 
 

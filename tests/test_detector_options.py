@@ -68,13 +68,16 @@ def fires(lengths, score=None, kl=None, clip=None, **options):
 
 def test_the_options_pinned_here_are_every_documented_cusum_option():
     # a new option of LengthSurgeConfig read by cusum needs its test here
-    pinned = {"skip_first_steps", "max_surges", "span", "lag", "drift", "threshold", "min_rise", "noise_floor",
-              "rebound_margin", "rebound_memory", "confirm_steps", "score_z", "kl_rise", "clip_rise",
-              "runaway_rise", "spike_rise"}
-    read = {f.name.removeprefix("cusum_") for f in dataclasses.fields(LengthSurgeConfig) if f.name.startswith("cusum_")}
+    pinned = {"skip_first_steps", "max_surges", "cusum_span", "cusum_lag", "cusum_drift", "cusum_threshold",
+              "cusum_min_rise", "cusum_noise_floor", "cusum_rebound_margin", "cusum_rebound_memory",
+              "cusum_confirm_steps", "cusum_score_z", "cusum_kl_rise", "cusum_clip_rise", "cusum_runaway_rise",
+              "cusum_spike_rise"}
+    read = {f.name for f in dataclasses.fields(LengthSurgeConfig) if f.name.startswith("cusum_")}
     assert read | {"skip_first_steps", "max_surges"} == pinned
-    det = CusumDetector()
-    assert all(getattr(det, name) == getattr(LengthSurgeConfig(), f"cusum_{name}") for name in read)
+    # each read under its own name: one name for one thing
+    options = LengthSurgeConfig(**{name: LengthSurgeConfig().__dict__[name] * 2 for name in read})
+    det = CusumDetector(options)
+    assert all(getattr(det, name) == getattr(options, name) for name in pinned)
 
 
 # -- the length alarm ---------------------------------------------------------------------------
@@ -248,4 +251,4 @@ def test_the_new_options_are_validated_by_name(key):
         LengthSurgeConfig(**{key: 1.0})
     with pytest.raises(ValueError, match=key):
         LengthSurgeConfig(**{key: float("nan")})
-    assert CusumDetector(LengthSurgeConfig(**{key: 1.3})).spike_rise == 1.3
+    assert CusumDetector(LengthSurgeConfig(**{key: 1.3})).cusum_spike_rise == 1.3

@@ -173,7 +173,7 @@ def test_every_firing_has_the_length_above_its_baseline_and_is_named():
         assert det.fired_by and det.fired_by[0] in WAYS, tr.name
         assert det.metrics()[f"fired_by/{det.fired_by[0]}"] == fired
         newest = tr.length[tr.steps.index(fired)]
-        assert newest >= det.min_rise * det.baseline * (1 - 1e-9) or det.fired_by[0] == "return", tr.name
+        assert newest >= det.cusum_min_rise * det.baseline * (1 - 1e-9) or det.fired_by[0] == "return", tr.name
 
 
 def test_a_rising_length_with_nothing_else_logged_fires_by_the_length_alone():

@@ -51,7 +51,7 @@ def test_stock_config_is_unchanged():
     "override,message",
     [
         (f"{OPTIM}.lr_scheduler_type=length_surgee", r"lr_scheduler_type='length_surgee'.*\['constant', 'cosine', 'length_surge'\]"),
-        (f"+{OPTIM}.length_surge.period_factor=-1", r"length_surge\.period_factor=-1.*allowed values are a number > 0"),
+        (f"+{OPTIM}.length_surge.period_factor=-1", r"length_surge\.period_factor=-1.*allowed values are a number in \(0, 1000\]"),
         (f"+{OPTIM}.length_surge.min_lr_ratio=0", r"length_surge\.min_lr_ratio=0.*\(0, 1\]"),
         (f"+{OPTIM}.length_surge.gamma=1.5", r"length_surge\.gamma=1\.5.*\(0, 1\)"),
         (f"+{OPTIM}.length_surge.decay_period=0", r"length_surge\.decay_period=0.*an integer in \[1, 10000000\]"),

@@ -2,24 +2,24 @@
 
 The rule, every decision from data up to the current step only (docs/detector.md has it on one page):
 
-**Length alarm.** On log-lengths, a trailing baseline (median of the ``span`` steps that end
-``lag`` steps back) and a noise scale (1.4826 x their MAD, at least ``noise_floor``) give a
-z-score per step; a one-sided CUSUM ``S = max(0, S + z - drift)`` accumulates it. An alarm is
-armed when ``S >= threshold / 2`` and the newest step is at least ``min_rise`` x the baseline,
+**Length alarm.** On log-lengths, a trailing baseline (median of the ``cusum_span`` steps that end
+``cusum_lag`` steps back) and a noise scale (1.4826 x their MAD, at least ``cusum_noise_floor``) give a
+z-score per step; a one-sided CUSUM ``S = max(0, S + z - cusum_drift)`` accumulates it. An alarm is
+armed when ``S >= cusum_threshold / 2`` and the newest step is at least ``cusum_min_rise`` x the baseline,
 unless the run had that level before (a rebound).
 
-**Ways to fire** (:data:`WAYS`), each on an armed alarm: the score's 5-step level falls ``score_z``
-noise units, the length's level at ``min_rise`` x the baseline (``score``); two witnesses have risen,
-the newest step at ``min_rise`` x (``witnesses``: verl's co-signals on their
+**Ways to fire** (:data:`WAYS`), each on an armed alarm: the score's 5-step level falls ``cusum_score_z``
+noise units, the length's level at ``cusum_min_rise`` x the baseline (``score``); two witnesses have risen,
+the newest step at ``cusum_min_rise`` x (``witnesses``: verl's co-signals on their
 newest row, the mismatch KL and the clip share counting as two); no witness is logged at all,
-``S >= threshold`` and the level at ``min_rise`` x (``length``); the level reaches ``runaway_rise`` x the
+``S >= cusum_threshold`` and the level at ``cusum_min_rise`` x (``length``); the level reaches ``cusum_runaway_rise`` x the
 alarm's baseline (``runaway``); and, on a return to an earlier high instead of an alarm, two of verl's
 co-signals rising with it (``return``).
 
 **Holds** (:data:`HOLDS`, and the spike exclusion): no baseline yet, its rows after ``skip_first_steps``
-covering less than half the span (``warmup``); a level the run had before (``rebound``); an alarm whose
-CUSUM fell back to 0 or that waited ``confirm_steps`` (``expiry``); a
-one-step spike (``spike_rise`` x the steps before and after it) is left out of the level, and its score
+covering less than half of ``cusum_span`` (``warmup``); a level the run had before (``rebound``); an alarm whose
+CUSUM fell back to 0 or that waited ``cusum_confirm_steps`` (``expiry``); a
+one-step spike (``cusum_spike_rise`` x the steps before and after it) is left out of the level, and its score
 out of the score's.
 
 Windows count steps, not rows, so a log written every 5-10 steps uses the same options; a window
@@ -50,7 +50,7 @@ HOLDS = ("warmup", "rebound", "expiry")
 # 1 row in 5 steps. k3, measured on the length's own batches, is read over the same rows; the clip share over the
 # last 5 steps' rows, at least the newest (its least rise is a quarter of a batch: no long batch's composition).
 FAST_ROWS = 2
-HALF = 0.5  # half the length evidence: half the CUSUM threshold, half-way to min_rise, half the span
+HALF = 0.5  # half the length evidence: half the CUSUM threshold, half-way to cusum_min_rise, half of cusum_span
 LEVEL_STEPS = 5  # the level and every figure's "now": the last 5 steps (two odd batches cannot move a median of 5)
 FEW_ROWS = 3  # a median of 3 ignores one odd batch (a grad-norm spike, a long batch)
 MIN_ROWS = 8  # a window of a sparse log is widened back to this many rows (a median needs them) ...
@@ -63,12 +63,12 @@ MAD_SD = 1.4826  # a normal's sd / its median absolute deviation
 # sqrt(pi / 2): a normal's sd / its mean absolute deviation, and about the sd of a median of a few values /
 # the sd of their mean
 MEDIAN_SD = math.sqrt(math.pi / 2)
-# A witness has risen when its value now is ``score_z`` noise units above its median over the baseline window
+# A witness has risen when its value now is ``cusum_score_z`` noise units above its median over the baseline window
 # (a steadily growing KL loss or a noisy entropy is no rise), and at least this multiple of it (a figure logged
 # with few digits has no noise to measure). The mismatch KL (the method's own signal: docs/detector.md) and the
-# clip share count as two witnesses, at kl_rise / clip_rise.
+# clip share count as two witnesses, at cusum_kl_rise / cusum_clip_rise.
 WITNESS_RISE = 1.1
-# k3 against its level before the baseline window must have grown kl_rise ** OLDER_KL_POWER (2.25x): a flat k3 reads
+# k3 against its level before the baseline window must have grown cusum_kl_rise ** OLDER_KL_POWER (2.25x): a flat k3 reads
 # 1.5x a level 25-50 steps older now and then in a log written every few steps
 OLDER_KL_POWER = 2
 COSIGNALS = ("entropy", "grad_norm", "kl_loss", "pg_clipfrac")
@@ -179,18 +179,20 @@ class CusumDetector:
     Args:
         config (LengthSurgeConfig | Mapping | None): the options (:class:`verl_lrstab.config.LengthSurgeConfig`,
             where each is documented and checked): ``skip_first_steps``, ``max_surges`` and every ``cusum_*``
-            key, read here without the prefix (``cusum_span`` is :attr:`span`). A mapping is checked as a
+            key, each read as the attribute of its own name (``self.cusum_span``). A mapping is checked as a
             YAML node is; ``detector`` must be ``cusum``. None: the defaults.
     """
 
     def __init__(self, config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None):
         c = options_for(config, "CusumDetector", detector=("cusum",))
         self.skip_first_steps, self.max_surges = c.skip_first_steps, c.max_surges
-        self.span, self.lag, self.drift, self.threshold = c.cusum_span, c.cusum_lag, c.cusum_drift, c.cusum_threshold
-        self.min_rise, self.noise_floor, self.score_z = c.cusum_min_rise, c.cusum_noise_floor, c.cusum_score_z
-        self.rebound_margin, self.rebound_memory = c.cusum_rebound_margin, c.cusum_rebound_memory
-        self.confirm_steps, self.kl_rise, self.clip_rise = c.cusum_confirm_steps, c.cusum_kl_rise, c.cusum_clip_rise
-        self.runaway_rise, self.spike_rise = c.cusum_runaway_rise, c.cusum_spike_rise
+        self.cusum_span, self.cusum_lag, self.cusum_drift = c.cusum_span, c.cusum_lag, c.cusum_drift
+        self.cusum_threshold, self.cusum_min_rise = c.cusum_threshold, c.cusum_min_rise
+        self.cusum_noise_floor, self.cusum_score_z = c.cusum_noise_floor, c.cusum_score_z
+        self.cusum_rebound_margin, self.cusum_rebound_memory = c.cusum_rebound_margin, c.cusum_rebound_memory
+        self.cusum_confirm_steps, self.cusum_kl_rise = c.cusum_confirm_steps, c.cusum_kl_rise
+        self.cusum_clip_rise, self.cusum_runaway_rise = c.cusum_clip_rise, c.cusum_runaway_rise
+        self.cusum_spike_rise = c.cusum_spike_rise
         self.rows = _Rows()
         self.alarm: Optional[Alarm] = None
         self._cusum = 0.0
@@ -286,23 +288,23 @@ class CusumDetector:
         if self._hold_warmup(step):
             self.baseline = self.ratio = self.noise = _NAN
             return False
-        eligible = [r for r in log if self.skip_first_steps < r[0] <= step - self.lag]
-        base = _window(eligible, step - self.lag - self.span, step)
+        eligible = [r for r in log if self.skip_first_steps < r[0] <= step - self.cusum_lag]
+        base = _window(eligible, step - self.cusum_lag - self.cusum_span, step)
         b = median(base)
-        self.noise = max(_scale(base), self.noise_floor)
+        self.noise = max(_scale(base), self.cusum_noise_floor)
         self.baseline, self.ratio = math.exp(b), self.level / math.exp(b)
-        self._cusum = max(0.0, self._cusum + (log[-1][1] - b) / self.noise - self.drift)
+        self._cusum = max(0.0, self._cusum + (log[-1][1] - b) / self.noise - self.cusum_drift)
         return True
 
     def _fire(self, step: int) -> Optional[str]:
         """Arm, expire or decide the alarm of ``step``; the way that fired, or None."""
         b = math.log(self.baseline)
-        if (self.alarm is None or self.alarm.is_return) and self._cusum >= self.threshold * HALF:
+        if (self.alarm is None or self.alarm.is_return) and self._cusum >= self.cusum_threshold * HALF:
             if self._half_evidence() and not self._hold_rebound(step, b):
                 self.alarm = self._arm(step, is_return=False)
                 logger.info("verl_lrstab: length alarm at step %d (cusum %.1f, level %.4g = %.3g x baseline)",
                             step, self._cusum, self.level, self.ratio)
-            elif self.alarm is None and self._fast() >= self.min_rise * self.baseline and self._returned(step, b):
+            elif self.alarm is None and self._fast() >= self.cusum_min_rise * self.baseline and self._returned(step, b):
                 self.alarm = self._arm(step, is_return=True)
         a = self.alarm
         if a is None:
@@ -319,9 +321,9 @@ class CusumDetector:
 
     # -- ways to fire ----------------------------------------------------------------------------
     def _way_score(self, step: int, a: Alarm) -> bool:
-        """The score's level falls ``score_z`` noise units below its pre-alarm level, the level at ``min_rise``."""
+        """The score's level falls ``cusum_score_z`` noise units below its pre-alarm level, the level at ``cusum_min_rise``."""
         z = self._score_z(step)
-        return z is not None and z <= -self.score_z and self.ratio >= self.min_rise
+        return z is not None and z <= -self.cusum_score_z and self.ratio >= self.cusum_min_rise
 
     def _way_witnesses(self, step: int, a: Alarm) -> bool:
         """Two witnesses have risen with the length."""
@@ -333,11 +335,11 @@ class CusumDetector:
         return self._full_evidence() and not (r.score or r.kl or r.clip or any(rows and rows[0][0] < step for rows in r.co.values()))
 
     def _way_runaway(self, step: int, a: Alarm) -> bool:
-        """The level reached ``runaway_rise`` x the alarm's baseline (the paper's 3-4x surge may come with a
+        """The level reached ``cusum_runaway_rise`` x the alarm's baseline (the paper's 3-4x surge may come with a
         rising score)."""
         # at least 3 rows: in a sparse log the 5-step level is one noisy row
         level = min(self.level, math.exp(median(v for _, v in self.rows.log[-FEW_ROWS:])))
-        return level >= self.runaway_rise * a.baseline
+        return level >= self.cusum_runaway_rise * a.baseline
 
     def _way_return(self, step: int, a: Alarm) -> bool:
         """A return to an earlier high whose witnesses (verl's co-signals) rise with it."""
@@ -345,24 +347,24 @@ class CusumDetector:
 
     # -- holds -----------------------------------------------------------------------------------
     def _hold_warmup(self, step: int) -> bool:
-        """No baseline yet: the steps after ``skip_first_steps`` and ``lag`` steps back cover less than half the
+        """No baseline yet: the steps after ``skip_first_steps`` and ``cusum_lag`` steps back cover less than half the
         span (the first steps' format learning moves the length; they still count as earlier levels)."""
-        eligible = [s for s, _ in self.rows.log if self.skip_first_steps < s <= step - self.lag]
-        return not eligible or eligible[-1] - eligible[0] < int(self.span * HALF)
+        eligible = [s for s, _ in self.rows.log if self.skip_first_steps < s <= step - self.cusum_lag]
+        return not eligible or eligible[-1] - eligible[0] < int(self.cusum_span * HALF)
 
     def _hold_rebound(self, step: int, b: float) -> bool:
-        """The run was ``min_rise`` x the baseline before (its 5-row medians) and the level is below
-        ``rebound_margin`` x that earlier high."""
+        """The run was ``cusum_min_rise`` x the baseline before (its 5-row medians) and the level is below
+        ``cusum_rebound_margin`` x that earlier high."""
         old = self._earlier_high(step)
-        return (old is not None and old >= b + math.log(self.min_rise)
-                and math.log(self.level) < old + math.log(self.rebound_margin))
+        return (old is not None and old >= b + math.log(self.cusum_min_rise)
+                and math.log(self.level) < old + math.log(self.cusum_rebound_margin))
 
     def _hold_expiry(self, step: int, a: Alarm) -> bool:
-        """The CUSUM fell back to 0 (a return: its last 2 steps below ``min_rise`` x its baseline), or the alarm
-        waited ``confirm_steps``."""
+        """The CUSUM fell back to 0 (a return: its last 2 steps below ``cusum_min_rise`` x its baseline), or the alarm
+        waited ``cusum_confirm_steps``."""
         if a.is_return:
-            return self._fast() < self.min_rise * a.baseline or step - a.step > self.confirm_steps
-        return self._cusum <= 0 or step - a.step > self.confirm_steps
+            return self._fast() < self.cusum_min_rise * a.baseline or step - a.step > self.cusum_confirm_steps
+        return self._cusum <= 0 or step - a.step > self.cusum_confirm_steps
 
     # -- pieces ----------------------------------------------------------------------------------
     def _arm(self, step: int, is_return: bool) -> Alarm:
@@ -372,24 +374,24 @@ class CusumDetector:
         """The score's references at ``step``: its medians over the baseline window and OLD_STEPS/2-OLD_STEPS
         steps back (with their row counts) and its noise scale over the OLD_STEPS steps before the baseline
         window ends (a steadier scale than 20 steps give); None without a score there."""
-        hi = step - self.lag
-        ref = _window(rows, hi - self.span, hi)
+        hi = step - self.cusum_lag
+        ref = _window(rows, hi - self.cusum_span, hi)
         if not ref:
             return None
-        old = _window(rows, step - OLD_STEPS, hi - self.span)
+        old = _window(rows, step - OLD_STEPS, hi - self.cusum_span)
         noise = max(_mean_scale(_window(rows, hi - OLD_STEPS, hi, NOISE_ROWS)), SCORE_FLOOR * abs(median(ref)))
         if not noise > 0:
             return None  # a score stuck at 0 has no noise to measure a fall in
         return median(ref), len(ref), median(old) if old else _NAN, len(old), noise
 
     def _full_evidence(self) -> bool:
-        """The CUSUM at its threshold and the level (5 steps) at ``min_rise`` x the baseline."""
-        return self._cusum >= self.threshold and self.ratio >= self.min_rise
+        """The CUSUM at its threshold and the level (5 steps) at ``cusum_min_rise`` x the baseline."""
+        return self._cusum >= self.cusum_threshold and self.ratio >= self.cusum_min_rise
 
     def _half_evidence(self) -> bool:
         """Half the length evidence: the CUSUM at half its threshold (checked by the caller) and the last 2
-        steps at ``min_rise`` (the 5-step level may still trail a fast rise's first steps)."""
-        return math.exp(self.rows.log[-1][1]) >= self.min_rise * self.baseline
+        steps at ``cusum_min_rise`` (the 5-step level may still trail a fast rise's first steps)."""
+        return math.exp(self.rows.log[-1][1]) >= self.cusum_min_rise * self.baseline
 
     def _fast(self) -> float:
         """The level of the last 2 steps (a return to an earlier high takes 2-4 steps)."""
@@ -398,7 +400,7 @@ class CusumDetector:
     def _returned(self, step: int, b: float) -> bool:
         """The last 2 steps returned to an earlier high (a rebound, watched for a collapse)."""
         old = self._earlier_high(step)
-        return old is not None and old >= b + math.log(self.min_rise)
+        return old is not None and old >= b + math.log(self.cusum_min_rise)
 
     def _score_z(self, step: int) -> Optional[float]:
         """The score's level now (its last LEVEL_STEPS steps, at least LEVEL_STEPS observations) against its
@@ -425,11 +427,11 @@ class CusumDetector:
         of verl's co-signals (one each, its newest row: entropy, grad norm and KL loss jump on a fast surge's
         first update), the mismatch KL and the clip share (two each, measured on the length's batches: k3's "now"
         is the level's rows, the clip share's the last LEVEL_STEPS steps' rows, at least the newest). The mismatch KL has also risen
-        where, the level at ``min_rise``, it grew over the baseline window as much as the length did, and
-        ``kl_rise`` (1.5) x.
+        where, the level at ``cusum_min_rise``, it grew over the baseline window as much as the length did, and
+        ``cusum_kl_rise`` (1.5) x.
         ``fresh`` (a return): verl's co-signals only, from their observations of the last FEW_ROWS steps (they
         must rise with the return, not be held at values from before it)."""
-        hi = step - self.lag
+        hi = step - self.cusum_lag
         up = 0
         for name, rows in self.rows.co.items():
             past = [r for r in rows if r[0] < step]  # read from the next step on (see add_cosignals)
@@ -442,42 +444,42 @@ class CusumDetector:
             return up  # a return's k3 rises with its length (a recovery's did, in a real-model pilot): verl's only
         if self.rows.kl:
             kl_now = _logs(_recent(self.rows.kl, step, FAST_ROWS))
-            risen = self._risen(kl_now, self.rows.kl, math.log(self.kl_rise), hi, log=True)
-            if not risen and self._cusum >= self.threshold and self.ratio >= 1 + (self.min_rise - 1) * HALF:
+            risen = self._risen(kl_now, self.rows.kl, math.log(self.cusum_kl_rise), hi, log=True)
+            if not risen and self._cusum >= self.cusum_threshold and self.ratio >= 1 + (self.cusum_min_rise - 1) * HALF:
                 # k3 doubles over the 20-30 steps before a slow surge's alarm: against its level before the
                 # baseline window too (the OLD_STEPS steps that end there), once the CUSUM is at its threshold
-                # and the level half-way to min_rise (a KL drifting for 100+ steps is no surge on one long
-                # batch that lifts the CUSUM to half its threshold), by kl_rise ** OLDER_KL_POWER
-                risen = self._risen(kl_now, self.rows.kl, OLDER_KL_POWER * math.log(self.kl_rise), hi - self.span,
+                # and the level half-way to cusum_min_rise (a KL drifting for 100+ steps is no surge on one long
+                # batch that lifts the CUSUM to half its threshold), by cusum_kl_rise ** OLDER_KL_POWER
+                risen = self._risen(kl_now, self.rows.kl, OLDER_KL_POWER * math.log(self.cusum_kl_rise), hi - self.cusum_span,
                                     log=True)
-            if not risen and self.ratio >= self.min_rise and kl_now:
+            if not risen and self.ratio >= self.cusum_min_rise and kl_now:
                 # k3 grew over the baseline window at least as much as the length did (the method: the
                 # mismatch grows with the length): the surge's own sign, whatever k3's noise
-                ref = _logs(_window(self.rows.kl, hi - self.span, hi))
-                risen = bool(ref) and median(kl_now) - median(ref) >= max(math.log(self.kl_rise), math.log(self.ratio))
+                ref = _logs(_window(self.rows.kl, hi - self.cusum_span, hi))
+                risen = bool(ref) and median(kl_now) - median(ref) >= max(math.log(self.cusum_kl_rise), math.log(self.ratio))
             up += WITNESSES * risen
         if self.rows.clip:
             recent = _recent_rows(self.rows.clip, step, 1)
-            up += WITNESSES * self._risen([v for _, v in recent], self.rows.clip, self.clip_rise, min(hi, recent[0][0] - 1))
+            up += WITNESSES * self._risen([v for _, v in recent], self.rows.clip, self.cusum_clip_rise, min(hi, recent[0][0] - 1))
         return up
 
     def _risen(self, now: list, rows: list, least: float, hi: int, log: bool = False) -> bool:
-        """The median of ``now`` is at least ``least`` and ``score_z`` noise units above the median of ``rows``
-        over the ``span`` steps that end at ``hi`` (``log``: of their logs); the noise over the OLD_STEPS
+        """The median of ``now`` is at least ``least`` and ``cusum_score_z`` noise units above the median of ``rows``
+        over the ``cusum_span`` steps that end at ``hi`` (``log``: of their logs); the noise over the OLD_STEPS
         steps that end there (more rows than the span's: a steadier scale)."""
         rows = [r for r in rows if r[0] > self.skip_first_steps]  # the first steps' format learning moves every figure
-        ref = _window(rows, hi - self.span, hi)
+        ref = _window(rows, hi - self.cusum_span, hi)
         noise = _window(rows, hi - OLD_STEPS, hi, NOISE_ROWS)
         if log:
             ref, noise = _logs(ref), _logs(noise)
         if not now or len(ref) <= 1:
             return False  # (the noise window holds the reference window's rows)
         rise = median(now) - median(ref)
-        return rise >= least and rise >= self.score_z * MEDIAN_SD * _mean_scale(noise) * math.sqrt(1 / len(now) + 1 / len(ref))
+        return rise >= least and rise >= self.cusum_score_z * MEDIAN_SD * _mean_scale(noise) * math.sqrt(1 / len(now) + 1 / len(ref))
 
     def _spikes(self) -> set:
-        """One-step spikes: steps ``spike_rise`` x the steps before and after them (t-1 and t+1 both logged)."""
-        bar, rows, out = math.log(self.spike_rise), self.rows.log, set()
+        """One-step spikes: steps ``cusum_spike_rise`` x the steps before and after them (t-1 and t+1 both logged)."""
+        bar, rows, out = math.log(self.cusum_spike_rise), self.rows.log, set()
         for i in range(1, len(rows) - 1):
             (s0, y0), (s1, y1), (s2, y2) = rows[i - 1], rows[i], rows[i + 1]
             if s1 - s0 == 1 and s2 - s1 == 1 and y1 - y0 >= bar and y1 - y2 >= bar:
@@ -485,15 +487,15 @@ class CusumDetector:
         return out
 
     def _earlier_high(self, step: int) -> Optional[float]:
-        """The highest 5-row median of the last ``rebound_memory`` steps before the baseline window, skipped
+        """The highest 5-row median of the last ``cusum_rebound_memory`` steps before the baseline window, skipped
         early steps included (a log value), or None."""
-        start = step - self.lag - self.span
+        start = step - self.cusum_lag - self.cusum_span
         old = [v for s, v in self.rows.high
-               if s > step - self.rebound_memory and (s <= start or s <= self.skip_first_steps)]
+               if s > step - self.cusum_rebound_memory and (s <= start or s <= self.skip_first_steps)]
         return max(old) if old else None
 
     def _prune(self, step: int) -> None:
-        keep = self.lag + self.span + self.rebound_memory
+        keep = self.cusum_lag + self.cusum_span + self.cusum_rebound_memory
         r = self.rows
         for rows in (r.log, r.high, r.score, r.kl, r.clip, *r.co.values()):
             while len(rows) > NOISE_ROWS and rows[0][0] <= step - keep:

@@ -73,9 +73,10 @@ class MismatchTrigger:
 
     def __init__(self, config: Union[LengthSurgeConfig, Mapping[str, Any], None] = None):
         c = options_for(config, "MismatchTrigger", trigger=("mismatch", "either"))
-        self.fixed_budget, self.budget_factor = c.mismatch_budget, c.mismatch_budget_factor
-        self.calibration_steps, self.skip_first_steps, self.patience = (c.mismatch_calibration_steps,
-                                                                        c.skip_first_steps, c.patience)
+        # each option under its own name
+        self.mismatch_budget, self.mismatch_budget_factor = c.mismatch_budget, c.mismatch_budget_factor
+        self.mismatch_calibration_steps, self.skip_first_steps = c.mismatch_calibration_steps, c.skip_first_steps
+        self.patience = c.patience
         self._calibration: list[float] = []
         self.baseline: Optional[float] = None  # median of the calibration values
         self._calibrated_budget: Optional[float] = None
@@ -87,7 +88,7 @@ class MismatchTrigger:
     @property
     def budget(self) -> Optional[float]:
         """The budget in force: the fixed one, the calibrated one, or None while calibrating."""
-        return self.fixed_budget if self.fixed_budget is not None else self._calibrated_budget
+        return self.mismatch_budget if self.mismatch_budget is not None else self._calibrated_budget
 
     @property
     def fired(self) -> bool:
@@ -107,11 +108,11 @@ class MismatchTrigger:
             return False
         if self.budget is None:
             self._calibration.append(value)
-            if len(self._calibration) >= self.calibration_steps:
+            if len(self._calibration) >= self.mismatch_calibration_steps:
                 self.baseline = median(self._calibration)
-                self._calibrated_budget = max(self.budget_factor * self.baseline, self.min_budget)
+                self._calibrated_budget = max(self.mismatch_budget_factor * self.baseline, self.min_budget)
                 logger.info("verl_lrstab: mismatch budget calibrated at step %s: %.3g (%.3g x median %.3g)",
-                            step, self._calibrated_budget, self.budget_factor, self.baseline)
+                            step, self._calibrated_budget, self.mismatch_budget_factor, self.baseline)
             return False
         self._streak = self._streak + 1 if value > self.budget else 0
         if self._streak >= self.patience:

@@ -41,8 +41,10 @@ def _never(*_args, **_kwargs):
 
 
 def _attr(name, value):
-    """Set the detector's option ``name`` to ``value`` after its checks (a neutral value may be out of its bounds)."""
+    """Set the detector's option ``name`` (its attribute of that name) to ``value`` after its checks (a neutral
+    value may be out of its bounds)."""
     init = _D.__init__
+    assert hasattr(_D(), name), f"the detector has no option {name}"
 
     def patched(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -69,20 +71,21 @@ VARIANTS: dict = {
     "score": ("way to fire", "the score falls", _method("_way_score")),
     "witnesses": ("way to fire", "two witnesses risen", _method("_way_witnesses")),
     "length": ("way to fire", "no witness logged: the length alone", _method("_way_length")),
-    "runaway": ("way to fire", "the level at runaway_rise", _method("_way_runaway")),
+    "runaway": ("way to fire", "the level at cusum_runaway_rise", _method("_way_runaway")),
     "return": ("way to fire", "verl's co-signals rise with a return to an earlier high", _method("_way_return")),
     # the holds
     # warmup (no baseline yet) is not removed alone: without a baseline there is nothing to measure; its number,
     # skip_first_steps, is set below
     "rebound": ("hold", "a level the run had before", _method("_hold_rebound")),
-    "expiry": ("hold", "an alarm whose level fell back or that waited confirm_steps", _method("_hold_expiry")),
+    "expiry": ("hold", "an alarm whose level fell back or that waited cusum_confirm_steps", _method("_hold_expiry")),
 }
 for name, value, what in (
-        ("skip_first_steps", 0, "0"), ("span", 10, "10 (half)"), ("lag", 0, "0"), ("drift", 0.0, "0"),
-        ("threshold", 2.5, "2.5 (half)"), ("min_rise", 1.0, "1"), ("noise_floor", 1e-9, "0"),
-        ("rebound_margin", 1.0, "1"), ("rebound_memory", 50, "50 (half)"), ("confirm_steps", 10 ** 9, "inf"),
-        ("score_z", 3.0, "3.0"), ("kl_rise", 1.0, "1"), ("clip_rise", 0.0, "0"), ("runaway_rise", 2.0, "2.0"),
-        ("spike_rise", 1e9, "inf"), ("max_surges", 2, "2")):
+        ("skip_first_steps", 0, "0"), ("cusum_span", 10, "10 (half)"), ("cusum_lag", 0, "0"),
+        ("cusum_drift", 0.0, "0"), ("cusum_threshold", 2.5, "2.5 (half)"), ("cusum_min_rise", 1.0, "1"),
+        ("cusum_noise_floor", 1e-9, "0"), ("cusum_rebound_margin", 1.0, "1"), ("cusum_rebound_memory", 50, "50 (half)"),
+        ("cusum_confirm_steps", 10 ** 9, "inf"), ("cusum_score_z", 3.0, "3.0"), ("cusum_kl_rise", 1.0, "1"),
+        ("cusum_clip_rise", 0.0, "0"), ("cusum_runaway_rise", 2.0, "2.0"), ("cusum_spike_rise", 1e9, "inf"),
+        ("max_surges", 2, "2")):
     VARIANTS[f"{name}={what}"] = ("number", f"option {name}", _attr(name, value))
 for name, value, what in (
         ("LEVEL_STEPS", 3, "3"), ("MIN_ROWS", 4, "4"), ("MAD_SD", 1.0, "1"), ("MEDIAN_SD", 1.0, "1"),

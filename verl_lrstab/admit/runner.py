@@ -1,7 +1,7 @@
 """``lrstab admit``: run each candidate rollout configuration in verl's real ``main_ppo`` at LR 0.
 
 For each candidate (a name and verl overrides on top of the user's command) the runner checks
-the configuration (:mod:`verl_lrstab.config_checks`), runs a few steps with no parameter update
+the configuration (:mod:`verl_lrstab.mismatch_checks`), runs a few steps with no parameter update
 (``optim.lr=0``; the ``length_surge`` scheduler in ``monitor_only`` mode only so that the
 package's ``actor/mismatch/*`` figures are logged every step), and judges the logged figures
 against the budget (:mod:`verl_lrstab.admit.verdict`). One failing candidate is reported and the others
@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 from verl_lrstab.admit.verdict import (DEFAULT_BUDGET_K3, Budget, CandidateReport, calibrated_budget, judge,
                                        plot_tails, report_json, report_table)
 from verl_lrstab.config import OPTIM_KEY
-from verl_lrstab.config_checks import check_rollout_config
+from verl_lrstab.mismatch_checks import check_rollout_config
 from verl_lrstab.guard.supervisor import (compose_config, raise_on_signal, split_command, start_supervised,
                                           stop_group)
 from verl_lrstab.runs import read_metrics

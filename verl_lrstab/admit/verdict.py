@@ -65,7 +65,7 @@ class CandidateReport:
     ratio_to_budget: Optional[float] = None
     verdict: str = "reject"
     reasons: list = field(default_factory=list)
-    findings: list = field(default_factory=list)  # config_checks codes
+    findings: list = field(default_factory=list)  # mismatch_checks codes
     error: Optional[str] = None
     tail: dict = field(default_factory=dict)  # "1e-3" -> share of all the steps' tokens with |d| > 1e-3
 

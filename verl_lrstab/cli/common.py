@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import yaml
 
-from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig, option_docs
+from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig, option_docs, options
 from verl_lrstab.log_replay import ReplayResult
 from verl_lrstab.runs import RunError
 from verl_lrstab.dataclass_reader import is_integer
@@ -25,10 +25,6 @@ RUN_HELP = "verl file-logger JSONL, TensorBoard log directory, or CSV with a ste
 METRIC_HELP = (f"the response-length metric (default: as --length-tokens says, the model-token column where the "
                f"log shows tool output, else the first of {list(LENGTH_METRICS)})")
 EXIT_ERROR, EXIT_NO_SURGE = 1, 3
-# Set by ``lrstab guard`` on each relaunch, not by a user: accepted (a guarded run replays), not listed in --help.
-GUARD_ONLY = ("decay_from_step", "guard_rollbacks")
-# Read only when a checkpoint is loaded: accepted (a resumed run's options replay), not listed in --help.
-RESUME_ONLY = ("dismiss_trigger_step",)
 
 
 # -- scheduler options, generated from LengthSurgeConfig ------------------------------------------
@@ -50,11 +46,13 @@ def add_scheduler_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "scheduler options", f"as under {OPTIONS_KEY}; unset ones keep their defaults")
     docs = option_docs()
-    for f in fields(LengthSurgeConfig):
-        typ, text = docs.get(f.name, ("", ""))
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_option_value,
-                           default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper() or "VALUE",
-                           help=argparse.SUPPRESS if f.name in GUARD_ONLY + RESUME_ONLY
+    for key, spec in options().items():
+        typ, text = docs[key]
+        # every option is accepted (a guarded or resumed run's options replay); --help lists a user's that
+        # replay reads, not those lrstab guard sets on each relaunch nor those read on loading a checkpoint
+        group.add_argument(f"--{key.replace('_', '-')}", dest=key, type=_option_value,
+                           default=argparse.SUPPRESS, metavar=typ.split(" ")[0].upper(),
+                           help=argparse.SUPPRESS if spec.set_by != "user" or not spec.replayed
                            else text.replace("``", "").replace("%", "%%"))
     group.add_argument("--warmup-steps", type=_option_value, default=0, metavar="INT",
                        help="verl's optim.lr_warmup_steps. Default 0.")

@@ -4,8 +4,7 @@
 - :mod:`.failsafe`: what a failure of the glue does (report loudly, refuse ``length_surge``).
 - :mod:`.wraps`: how one verl attribute is replaced, checked and dispatched.
 - :mod:`.registry`: the list of targets, their installation, what a ``length_surge`` run requires.
-- :mod:`.configs`: verl's optimizer configs accepting ``length_surge`` (FSDP, Megatron), by name;
-  :mod:`.config_classes` builds them.
+- :mod:`.configs`: verl's optimizer configs accepting ``length_surge`` (FSDP, Megatron): built, and by name.
 - :mod:`.engine`: the engines build our scheduler.
 - :mod:`.worker`: the actor update (``TrainingWorker.train_mini_batch``) and the old-log-prob pass.
 - :mod:`.batch_figures`: the batch's figures, measured as verl logs them, over the global batch (one collective).

@@ -5,7 +5,7 @@
   this process, and the options that need more than the optimizer config (rollout log-probs
   for the mismatch trigger, not with an async trainer: decided by the trainer's class,
   :mod:`.trainers`), and the rollout configurations known to bias the mismatch figures are
-  warned about (:mod:`verl_lrstab.config_checks`), and every node of the Ray cluster must import the
+  warned about (:mod:`verl_lrstab.mismatch_checks`), and every node of the Ray cluster must import the
   package (:mod:`.nodes`). A trainer whose checks never ran (its
   ``__init__`` skips verl's) is refused at its first ``_update_actor``, naming its class.
 - ``_update_actor`` (V0, V1): tags the actor batch with its position in the trainer step
@@ -25,7 +25,7 @@ import weakref
 
 from verl_lrstab.config import OPTIONS_KEY
 from verl_lrstab.glue import nodes, trainers, versions
-from verl_lrstab.glue.config_classes import length_surge_options
+from verl_lrstab.glue.configs import length_surge_options
 from verl_lrstab.glue.failsafe import SCHEDULER_NAME
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
 from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, VERSION_LAGS_KEY, GlueError
@@ -125,7 +125,7 @@ def checked_async(trainer) -> bool:
 
 def warn_about_rollout_config(config) -> None:
     """The admission check's configuration checks, as warnings at the start of a length_surge run."""
-    from verl_lrstab.config_checks import check_rollout_config
+    from verl_lrstab.mismatch_checks import check_rollout_config
 
     try:
         findings = check_rollout_config(config)
@@ -214,7 +214,7 @@ def fully_async_checks(module, fn):
 def response_cap(config) -> int:
     """The rollout's response cap in tokens (``actor_rollout_ref.rollout.response_length``, which verl
     sets from ``data.max_response_length``); 0 if the config has neither (no clip ratio is fed then)."""
-    from verl_lrstab.config_checks import config_value
+    from verl_lrstab.mismatch_checks import config_value
 
     for path in ("actor_rollout_ref.rollout.response_length", "data.max_response_length"):
         try:

@@ -18,7 +18,7 @@ from typing import Optional
 import pandas as pd
 
 from verl_lrstab.config import OPTIM_KEY, LengthSurgeConfig
-from verl_lrstab.config_checks import config_value
+from verl_lrstab.mismatch_checks import config_value
 from verl_lrstab.guard.errors import GuardError
 from verl_lrstab.guard.files import write_atomic
 from verl_lrstab.guard.overrides import override

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from hydra import compose, initialize_config_module
 
-from verl_lrstab.config_checks import check_rollout_config
+from verl_lrstab.mismatch_checks import check_rollout_config
 
 
 def verl_config(*overrides):
@@ -68,10 +68,10 @@ def test_a_length_surge_run_warns_about_its_rollout_config_when_its_trainer_is_b
 
 
 def test_a_broken_check_only_warns(caplog, monkeypatch):
-    from verl_lrstab import config_checks
+    from verl_lrstab import mismatch_checks
     from verl_lrstab.glue import driver
 
     caplog.set_level(logging.WARNING, logger="verl_lrstab")
-    monkeypatch.setattr(config_checks, "check_rollout_config", lambda cfg: 1 / 0)
+    monkeypatch.setattr(mismatch_checks, "check_rollout_config", lambda cfg: 1 / 0)
     driver.warn_about_rollout_config(SimpleNamespace())
     assert "could not run" in caplog.text
