@@ -25,7 +25,7 @@ import weakref
 
 from verl_lrstab.config import OPTIONS_KEY
 from verl_lrstab.glue import nodes, trainers, versions
-from verl_lrstab.glue.configs import length_surge_options
+from verl_lrstab.glue.optimizer_subclasses import length_surge_options
 from verl_lrstab.glue.failsafe import SCHEDULER_NAME
 from verl_lrstab.glue.wraps import argument, dispatch, source_contains
 from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, VERSION_LAGS_KEY, GlueError

@@ -11,7 +11,7 @@ import importlib
 import threading
 from typing import Optional
 
-from verl_lrstab.glue import configs
+from verl_lrstab.glue import optimizer_subclasses as configs
 from verl_lrstab.glue import driver, engine, refusals, worker
 from verl_lrstab.glue.failsafe import FAILURES, check_usable, report_failure
 from verl_lrstab.glue.imports import when_imported

@@ -185,7 +185,7 @@ def plan_run(cfg, cwd: Path) -> RunPlan:
     if save_freq > 50:
         warnings.append(f"trainer.save_freq={save_freq}: a rollback costs up to {save_freq} steps")
     options = config_value(cfg, f"{OPTIM}.length_surge", {}) or {}
-    from verl_lrstab.glue.configs import plain
+    from verl_lrstab.glue.optimizer_subclasses import plain
 
     ls = LengthSurgeConfig.from_dict({k: v for k, v in plain(options).items() if k != "_target_"})
     checkpoint_dir = Path(str(config_value(cfg, "trainer.default_local_dir", "checkpoints")))
