@@ -51,7 +51,8 @@ def parse_args(argv=None):
                         "or verl_lrstab's fp32 transformers stand-in (make demo-transformers: no vLLM needed)")
     p.add_argument("--lr", type=float, default=None,
                    help=f"--model real: the actor's initial LR (default {real_model.DEFAULT_LR})")
-    p.add_argument("--out", type=Path, default=None, help="run directory (default outputs/demo[-vllm|-real])")
+    p.add_argument("--out", type=Path, default=None,
+                   help="run directory (default outputs/demo, outputs/demo-transformers or outputs/demo-real)")
     p.add_argument("--assets", type=Path, default=None,
                    help="assets directory (default .assets[-vllm]; --model real: $LRSTAB_REAL_ASSETS or .assets-real)")
     p.add_argument("--timeout", type=float, default=None,

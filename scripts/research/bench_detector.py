@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Surge detectors side by side on labelled runs: detections, false alarms, lead before the crash.
 
-Runs: the seeded class A-Q runs (``scripts/research/phenomena.py``, 40 seeds each, with score /
-mismatch-k3 / clip-ratio columns; I-Q with verl's entropy, grad norm, KL loss and PPO clip
+Runs: the seeded class A-T runs (``scripts/research/phenomena.py``, 40 seeds each, with score /
+mismatch-k3 / clip-ratio columns; I-T with verl's entropy, grad norm, KL loss and PPO clip
 fraction, O and Q with k3 too), each in nine log forms (``FORMS``: dense; the score on every 4th or 10th
 row only, or forward-filled from every 10th, or absent; verl's co-signals on every 4th row only or
 forward-filled from it; every column logged every 5 or 10 steps), the 34

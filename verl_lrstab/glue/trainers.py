@@ -6,13 +6,15 @@ nearest of verl's own classes in its MRO (a user's subclass of ``PPOTrainerSync`
 
 - sync: the rollout samples with the weights the trainer scores with; the mismatch figures are
   the engine's and may feed the detector (``trigger: mismatch|either``, cusum's KL co-signal).
-- async: the rollout may sample with older weights; the mismatch figures are logged, never fed,
-  and ``trigger: mismatch|either`` is refused.
+- async: the rollout may sample with older weights; the mismatch figures are split by version lag
+  (only the fresh samples' may feed the detector, the stale ones are logged apart), and
+  ``trigger: mismatch|either`` is refused.
 
 A V1 trainer under any mode name but ``sync`` is async whatever its class: verl's ``PPOTrainer``
 builds the asynchronous replay buffer (``ReplayBufferAsync``) for every other name. A V1 class
 deriving from none of verl's modes (``PPOTrainer`` itself) is async: nothing says it is not.
-The fully-async trainer (``FullyAsyncTrainer``) is refused outright, in :mod:`.refusals`.
+The one-step-off and fully-async trainers skip verl's ``__init__`` that runs the run's checks;
+their own wraps run them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ VERL_TRAINERS = {
     ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer"): SYNC,  # V0 (main_ppo with trainer.use_v1=false)
     ("verl.experimental.separation.ray_trainer", "SeparateRayPPOTrainer"): SYNC,  # V0 base of the two below
     ("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer"): ASYNC,  # served (versions.py)
-    ("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer"): ASYNC,  # refused
+    ("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer"): ASYNC,  # a step is a sync cycle
     ("verl.trainer.ppo.v1.trainer_sync", "PPOTrainerSync"): SYNC,  # V1 trainer_mode sync
     ("verl.trainer.ppo.v1.trainer_colocate_async", "PPOTrainerColocateAsync"): ASYNC,
     ("verl.trainer.ppo.v1.trainer_separate_async", "PPOTrainerSeparateAsync"): ASYNC,
