@@ -118,7 +118,7 @@ test-unit: install
 
 ## Every end-to-end check, larger forms included (V0 and V1, resume, stock parity, Megatron's worker).
 test-e2e: install install-megatron install-vllm install-real
-	LRSTAB_REQUIRE_REAL=1 $(PY) -m pytest -m e2e -q -rs
+	LRSTAB_REQUIRE_REAL=1 $(PY) -m pytest -m e2e -q -rs --durations=0
 
 ## The Megatron tests alone (megatron-core 0.16, Python 3.11; also part of make test).
 test-megatron: install-megatron
