@@ -481,3 +481,104 @@ def test_importing_the_plots_leaves_the_matplotlib_backend_alone(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["svg", "no", "pyplot"]
     assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- bad input that used to cost the result, or gave a wrong one ------------------------------------
+@pytest.mark.parametrize("name,message", [
+    ("out.txt", "--plot='{p}' is invalid: allowed values are a file name ending in one of .png, .pdf"),
+    ("out", "--plot='{p}' is invalid: allowed values are a file name ending in one of .png"),
+    ("no_such_folder/out.png", "--plot='{p}' is invalid: the folder"),
+    ("a_folder.png", "--plot='{p}' is invalid: it is a folder"),
+])
+def test_a_plot_path_that_cannot_be_written_is_refused_before_the_replay(verl_run, tmp_path, capsys, name,
+                                                                         message):
+    (tmp_path / "a_folder.png").mkdir()
+    path = tmp_path / name
+    code, out, err = run_cli("replay", verl_run[0], "--plot", path, capsys=capsys)
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert err.count("\n") == 1 and message.format(p=path) in err
+    assert not Path(f"{path}.png").exists()  # matplotlib would have added a suffix
+
+
+@pytest.mark.parametrize("argv,message", [
+    # training refuses these (LengthSurgeConfig.check_training): a replay of them would show a schedule no run has
+    (["--decay-period", "100", "--origin", "surge"], "--origin='surge' is invalid beside a fixed decay_period=100"),
+    (["--decay-period", "100", "--monitor-only", "true"], "is invalid in training"),
+    (["--trigger", "mismatch", "--kl-metric", "none"], "--kl-metric none is invalid with --trigger mismatch"),
+    (["--metric", ""], "--metric='' is invalid"),
+])
+def test_replay_refuses_what_the_scheduler_would_not_run(verl_run, capsys, argv, message):
+    for command in ("replay", "compare") if argv[0] == "--decay-period" else ("replay",):
+        code, out, err = run_cli(command, verl_run[0], *argv, capsys=capsys)
+        assert code == 1 and out == "" and message in err, (command, err)
+
+
+def test_calibrate_refuses_monitor_only(verl_run, capsys):
+    code, out, err = run_cli("calibrate", verl_run[0], "--monitor-only", "true", capsys=capsys)
+    assert code == 1 and out == "" and "--monitor-only=True is invalid for calibrate" in err
+
+
+def test_a_length_column_without_a_value_is_named_as_such(tmp_path, capsys):
+    run = tmp_path / "nan.csv"
+    run.write_text("step,response_length/mean,critic/score/mean\n" + "".join(f"{s},nan,0.5\n" for s in range(1, 50)))
+    code, out, err = run_cli("replay", run, capsys=capsys)
+    assert code == 1 and out == ""
+    assert "metric response_length/mean in" in err and "has no value: every row of it is NaN or empty" in err
+    code, out, err = run_cli("compare", run, "--out", tmp_path / "o", capsys=capsys)
+    assert code == 0 and "nan: not replayed, its surge_step and decay_period stay empty" in err
+
+
+def test_compare_says_when_a_named_length_metric_is_not_logged(verl_run, tmp_path, capsys):
+    code, _, err = run_cli("compare", verl_run[0], "--out", tmp_path / "o", "--metric", "length=nope",
+                           capsys=capsys)
+    assert code == 0
+    assert "not replayed, its surge_step and decay_period stay empty: it logs no nope" in err
+    assert "figure length skipped: no run logs nope" in err
+
+
+@pytest.mark.parametrize("labels,message", [(["a", "b"], "--label given 2 time(s) for 1 run(s)"),
+                                            ([""], "--label='' is invalid")])
+def test_compare_refuses_labels_it_cannot_use(verl_run, tmp_path, capsys, labels, message):
+    argv = [a for lab in labels for a in ("--label", lab)]
+    code, _, err = run_cli("compare", verl_run[0], "--out", tmp_path / "o", *argv, capsys=capsys)
+    assert code == 1 and message in err
+
+
+@pytest.mark.skipif(LRSTAB is None, reason="the lrstab console script is not installed")
+def test_a_run_killed_mid_line_replays_without_its_last_line(verl_run, tmp_path, capsys):
+    whole = Path(verl_run[0]).read_text()
+    cut = tmp_path / "killed.jsonl"
+    cut.write_text(whole + '{"step": 801, "data": {"response_len')  # verl's file logger stopped mid-line
+    expected = _replay_json(verl_run[0], capsys=capsys)
+    # the console script: what the user sees on stderr
+    proc = subprocess.run([LRSTAB, "replay", str(cut), "--json"], capture_output=True, text=True, check=False,
+                          timeout=120)
+    assert proc.returncode == 0 and json.loads(proc.stdout) == expected
+    assert f"{cut}:{whole.count(chr(10)) + 1}: the last line is incomplete" in proc.stderr
+    bad = tmp_path / "bad.jsonl"  # a damaged line inside the log is still an error
+    bad.write_text('{"step": 1, "data": {"response_length/mean": 3.0}}\nnot json\n' + whole)
+    code, _, err = run_cli("replay", bad, capsys=capsys)
+    assert code == 1 and f"{bad}:2: not a verl file-logger line" in err
+
+
+def test_a_step_logged_twice_with_other_values_is_said(tmp_path, capsys, caplog):
+    rows = "".join(f"{s},{100 + s}\n" for s in range(1, 61))
+    run = tmp_path / "appended.csv"
+    run.write_text("step,response_length/mean\n" + rows + "".join(f"{s},{300 + s}\n" for s in range(40, 45)))
+    code, out, err = run_cli("replay", run, capsys=capsys)
+    assert code == 0 and "(60 values, steps 1..60)" in out
+    assert "5 step(s) logged on several rows with different values (first: step 40)" in caplog.text
+    caplog.clear()
+    same = tmp_path / "same.csv"  # the same values again (an export's overlap) is no news
+    same.write_text("step,response_length/mean\n" + rows + rows[:30])
+    code, _, err = run_cli("replay", same, capsys=capsys)
+    assert code == 0 and "several rows" not in caplog.text
+
+
+@pytest.mark.skipif(LRSTAB is None, reason="the lrstab console script is not installed")
+def test_a_closed_stdout_is_no_error(verl_run):
+    # `lrstab replay RUN | head -1`: the reader goes away before lrstab writes
+    proc = subprocess.Popen([LRSTAB, "replay", str(verl_run[0])], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == "", err

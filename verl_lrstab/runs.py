@@ -37,7 +37,8 @@ from pathlib import Path
 
 import pandas as pd
 
-logger = logging.getLogger("verl_lrstab")
+# lrstab shows this logger's warnings: what a reader left out
+logger = logging.getLogger("verl_lrstab.runs")
 
 STEP_COLUMNS = ("step", "Step", "_step", "global_step", "trainer/global_step")
 # Above this size a progress bar is shown (on a terminal only: tqdm's disable=None).
@@ -49,20 +50,32 @@ class RunError(Exception):
 
 
 class MissingMetricError(RunError):
-    """A metric the caller asked for is not in the run.
+    """A metric the caller asked for is not in the run, or is there without a value.
 
     Args:
         metric: the name (or names) looked for.
         available: the metric names the run has.
         source: the run's path, for the message.
+        empty: those of ``metric`` the run has as columns without a value (every row NaN or empty).
     """
 
-    def __init__(self, metric: str | Sequence[str], available: Iterable[str], source: str = "run"):
+    def __init__(self, metric: str | Sequence[str], available: Iterable[str], source: str = "run",
+                 empty: Sequence[str] = ()):
         self.metric = metric
         self.available = sorted(available)
         wanted = metric if isinstance(metric, str) else " or ".join(metric)
         shown = ", ".join(self.available[:40]) + (" ..." if len(self.available) > 40 else "")
-        super().__init__(f"metric {wanted} not found in {source}; available: {shown or '(none)'}")
+        if empty:
+            super().__init__(f"metric {empty[0]} in {source} has no value: every row of it is NaN or empty")
+        else:
+            super().__init__(f"metric {wanted} not found in {source}; available: {shown or '(none)'}")
+
+    @classmethod
+    def in_run(cls, metric: str | Sequence[str], df: pd.DataFrame) -> "MissingMetricError":
+        """The error for ``metric`` (a name or candidates) found in no column of ``df`` holding a value."""
+        names = [metric] if isinstance(metric, str) else list(metric)
+        return cls(metric, [c for c in df.columns if df[c].notna().any()], df.attrs.get("source", "run"),
+                   empty=[n for n in names if n in df.columns])
 
 
 def load_run(path: str | os.PathLike) -> pd.DataFrame:
@@ -109,7 +122,7 @@ def metric_series(df: pd.DataFrame, name: str) -> pd.Series:
     """
     source = df.attrs.get("source", "run")
     if name not in df.columns:
-        raise MissingMetricError(name, df.columns, source)
+        raise MissingMetricError.in_run(name, df)
     raw = df[name]
     values = pd.to_numeric(raw, errors="coerce")
     bad = raw.notna() & values.isna()
@@ -118,7 +131,7 @@ def metric_series(df: pd.DataFrame, name: str) -> pd.Series:
         raise RunError(f"metric {name} in {source} has non-numeric values (first: {raw[step]!r} at step {step})")
     values = values.dropna().astype(float)
     if values.empty:
-        raise MissingMetricError(name, [c for c in df.columns if df[c].notna().any()], source)
+        raise MissingMetricError.in_run(name, df)
     return values
 
 
@@ -215,10 +228,12 @@ def read_metrics(path: os.PathLike, name: os.PathLike | None = None, strict: boo
         name: the file's name in messages, when ``path`` is another way to it (a descriptor's).
         strict: a line not of that shape (not JSON, ``data`` not a mapping, ``step`` missing or not a
             finite whole number) raises :class:`RunError` naming the file and the line, and a missing
-            file raises too (a finished log, read whole). Else, the default (a log being written): a
-            missing file reads as empty, a last line without its newline that does not read whole is
-            still being written and ignored, and any other such line is skipped with one warning naming
-            the file and the line (once per line, however often the file is read again).
+            file raises too (a finished log, read whole), but a last line without its newline that does
+            not read whole (a run killed mid-line) is left out with one warning. Else, the default (a
+            log being written): a missing file reads as empty, a last line without its newline that
+            does not read whole is still being written and ignored, and any other such line is skipped
+            with one warning naming the file and the line (once per line, however often the file is read
+            again).
     """
     out: dict[int, dict] = {}
     path = Path(path)
@@ -248,8 +263,12 @@ def read_metrics(path: os.PathLike, name: os.PathLike | None = None, strict: boo
                     raise TypeError
                 step = _as_step(step)
             except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-                if strict:
+                if strict and line.endswith(b"\n"):
                     raise RunError(f"{path}:{lineno}: not a verl file-logger line {_LINE_SHAPE}") from None
+                if strict:  # a last line cut short: a run still writing, or killed mid-line
+                    logger.warning("verl_lrstab: %s:%d: the last line is incomplete (a run still writing, or "
+                                   "stopped mid-line): read without it", name or path, lineno)
+                    continue
                 if line.endswith(b"\n") and (ident, lineno) not in _WARNED:  # no newline: still being written
                     _WARNED.add((ident, lineno))
                     text = line.decode("utf-8", "replace").strip()
@@ -317,7 +336,21 @@ def _keyed_by_update(df: pd.DataFrame) -> pd.DataFrame:
         keys = UpdateKeys()
         df = df.copy()
         df.index = [keys(int(label), row) for label, row in zip(df.index, df.to_dict("records"))]
+    _warn_overwritten(df)
     return df.groupby(level=0, sort=True).last()
+
+
+def _warn_overwritten(df: pd.DataFrame) -> None:
+    """One warning where rows of one step disagree on a metric (a log appended to by a resumed run, two
+    exports pasted together): the later value is read, which may move a surge."""
+    twice = df[df.index.duplicated(keep=False)]
+    if twice.empty:
+        return
+    differ = twice.groupby(level=0).nunique(dropna=True).gt(1).any(axis=1)
+    steps = differ.index[differ.to_numpy()].tolist()
+    if steps:
+        logger.warning("verl_lrstab: %s: %d step(s) logged on several rows with different values (first: step %s): "
+                       "the later row's values are read", df.attrs.get("source", "the run"), len(steps), steps[0])
 
 
 def _lines(f, p: Path):
@@ -487,19 +520,21 @@ def length_column(df: pd.DataFrame, given: str | None, length_tokens: str,
     Raises:
         MissingMetricError: no such column (``model`` without a model-token column names the metric it needs).
     """
-    source = df.attrs.get("source", "run")
+    if given == "":
+        raise RunError("--metric='' is invalid: allowed values are a metric the run logs (leave it unset for the "
+                       "default)")
     if given:
         return given, READS_MODEL_TOKENS if given in MODEL_TOKEN_METRICS else f"as named ({given})"
     model = find_metric(df, MODEL_TOKEN_METRICS)
     full = find_metric(df, candidates)
     if length_tokens == "model":
         if model is None:
-            raise MissingMetricError(MODEL_TOKEN_METRICS, df.columns, source)
+            raise MissingMetricError.in_run(MODEL_TOKEN_METRICS, df)
         return model, READS_MODEL_TOKENS
     if length_tokens == "auto" and model is not None and (full is None or _below(df, model, full)):
         return model, READS_MODEL_TOKENS
     if full is None:
-        raise MissingMetricError(candidates, df.columns, source)
+        raise MissingMetricError.in_run(candidates, df)
     return full, READS_ALL_TOKENS + _multi_turn_note(df, model)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from verl_lrstab import __version__
@@ -50,8 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("verl_lrstab").setLevel(logging.INFO if args.verbose else logging.ERROR)
+    # what a run's reader left out (a line cut short, a step logged twice) is always said
+    logging.getLogger("verl_lrstab.runs").setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         return args.func(args)
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): not an error of lrstab's
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
     except (RunError, OSError) as err:
         print(f"lrstab: error: {err}", file=sys.stderr)
         return EXIT_ERROR

@@ -22,6 +22,9 @@ def cmd_calibrate(args) -> int:
     config = scheduler_config(args)
     if config.decay_period is not None:
         raise RunError("calibrate computes decay_period from the run: do not pass --decay-period")
+    if config.monitor_only:
+        raise RunError("--monitor-only=True is invalid for calibrate: it computes decay_period from the surge the "
+                       "detector finds; allowed values are false (the default)")
     df = load_run(args.run)
     metric, length_read = replayed_length(df, args.metric, config)
     result, values = replay_run(df, metric, config, args.warmup_steps, args.kl_metric, args.score_metric,

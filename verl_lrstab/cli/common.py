@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import fields
+from pathlib import Path
 
 import yaml
 
@@ -71,13 +72,33 @@ def scheduler_config(args: argparse.Namespace) -> LengthSurgeConfig:
     if not is_integer(warmup) or warmup < 0:
         raise RunError(f"--warmup-steps={warmup!r} is invalid: allowed values are an integer >= 0")
     try:
-        return LengthSurgeConfig.from_dict(options)
+        # what training refuses, a replay refuses too: it shows what the run's scheduler would do
+        return LengthSurgeConfig.from_dict(options).check_training()
     except (ValueError, TypeError) as err:
         raise RunError(re.sub(r"actor_rollout_ref\.actor\.optim\.length_surge\.(\w+)",
                               lambda m: "--" + m.group(1).replace("_", "-"), str(err))) from None
 
 
 # -- small helpers --------------------------------------------------------------------------------
+#: The figure formats matplotlib's Agg canvas writes (``savefig`` picks the format from the suffix).
+FIGURE_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "pgf")
+
+
+def figure_path(path: str, flag: str = "--plot") -> str:
+    """``path`` if a figure can be written there (a known suffix, an existing folder); else a RunError naming
+    ``flag``, raised before any work, so a bad path never costs the result it would have drawn."""
+    target = Path(path)
+    suffix = target.suffix.lower().lstrip(".")
+    if suffix not in FIGURE_FORMATS:
+        raise RunError(f"{flag}={path!r} is invalid: allowed values are a file name ending in one of "
+                       f"{', '.join('.' + f for f in FIGURE_FORMATS)}")
+    if target.is_dir():
+        raise RunError(f"{flag}={path!r} is invalid: it is a folder (a file name expected)")
+    if not target.parent.is_dir():
+        raise RunError(f"{flag}={path!r} is invalid: the folder {str(target.parent)!r} does not exist")
+    return path
+
+
 def decay_steps(result: ReplayResult) -> list[int]:
     """The steps at which the replayed LR scale drops."""
     return [s for s, a, b in zip(result.steps[1:], result.lr_scale, result.lr_scale[1:]) if b < a]

@@ -101,7 +101,8 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
     length_name = overrides.get("length") or find_metric(df, LENGTH_METRICS)
     try:
         replayed, _ = replayed_length(df, overrides.get("length"), config)
-    except MissingMetricError:
+    except MissingMetricError as err:
+        print(f"lrstab: {label}: not replayed, its surge_step and decay_period stay empty: {err}", file=sys.stderr)
         replayed = None
     marks: tuple[Optional[int], list[int]] = (None, [])
     collapses: list[tuple[int, str]] = []
@@ -110,6 +111,9 @@ def _summary_row(label: str, df, config: LengthSurgeConfig, overrides: dict, arg
                                args.clip_metric)
         row.update(surge_step=result.surge_step, decay_period=result.decay_period, length_metric=replayed)
         marks = (result.surge_step, decay_steps(result))
+    elif replayed is not None:
+        print(f"lrstab: {label}: not replayed, its surge_step and decay_period stay empty: it logs no {replayed}",
+              file=sys.stderr)
     if length_name is not None and length_name in df.columns:
         step = _cap_collapse(metric_series(df, length_name), args.max_response_length, args.cap_fraction)
         if step is not None:
@@ -161,7 +165,11 @@ def cmd_compare(args) -> int:
         if not sep or key not in FIGURES:
             raise RunError(f"--metric {item!r}: expected FIGURE=NAME with FIGURE one of {list(FIGURES)}")
         overrides[key] = name
-    labels = _labels(args.runs, args.label or [])
+    given = args.label or []
+    if len(given) > len(args.runs) or not all(lab.strip() for lab in given):
+        raise RunError(f"--label given {len(given)} time(s) for {len(args.runs)} run(s)" if len(given) > len(args.runs)
+                       else "--label='' is invalid: allowed values are a non-empty name")
+    labels = _labels(args.runs, given)
     guarded = [_guard_run(r) for r in args.runs]  # (final metrics, abandoned frames, rollback steps) or None
     runs = [g[0] if g else load_run(r) for r, g in zip(args.runs, guarded)]
     rows, marks = zip(*(_summary_row(label, df, config, overrides, args) for label, df in zip(labels, runs)))
@@ -179,7 +187,8 @@ def cmd_compare(args) -> int:
             elif key in overrides:
                 print(f"lrstab: {label} has no metric {overrides[key]} ({key} figure)", file=sys.stderr)
         if not curves:
-            print(f"lrstab: figure {key} skipped: no run logs any of {list(candidates)}", file=sys.stderr)
+            print(f"lrstab: figure {key} skipped: no run logs "
+                  + (overrides[key] if key in overrides else f"any of {list(candidates)}"), file=sys.stderr)
             continue
         plots = load_plots(f"figure {out / f'{key}.png'}")
         if plots is not None:

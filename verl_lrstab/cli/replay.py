@@ -16,6 +16,7 @@ from verl_lrstab.cli.common import (
     SCORE_METRICS,
     add_scheduler_options,
     decay_steps,
+    figure_path,
     fmt,
     LENGTH_METRICS,
     scheduler_config,
@@ -49,11 +50,15 @@ def _cosignal(df, given: str | None, consumed: str, candidates) -> str | None:
 def cosignal_names(df, config: LengthSurgeConfig, kl_metric=None, score_metric=None, clip_metric=None) -> dict:
     """``{"kl": name|None, "score": ..., "clip": ...}``: the co-signal columns a replay feeds."""
     kl_candidates = (f"mismatch/{config.mismatch_metric}", f"actor/mismatch/{config.mismatch_metric}") + KL_METRICS
+    if config.trigger != "length" and (kl_metric or "").lower() == "none":
+        raise RunError(f"--kl-metric none is invalid with --trigger {config.trigger}: that trigger reads the mismatch "
+                       "KL; allowed values are a KL column of the run (or leave --kl-metric unset), or --trigger "
+                       "length")
     names = {"kl": _cosignal(df, kl_metric, CONSUMED["kl"], kl_candidates), "score": None, "clip": None}
     if config.trigger != "length" and names["kl"] is None and (kl_metric or "").lower() != "none":
         names["kl"] = find_metric(df, kl_candidates)  # a run from before lrstab/mismatch_kl was logged
         if names["kl"] is None:
-            raise MissingMetricError(KL_METRICS, df.columns, df.attrs.get("source", "run"))
+            raise MissingMetricError.in_run(kl_candidates, df)
     if config.detector == "cusum":
         names["score"] = _cosignal(df, score_metric, CONSUMED["score"], SCORE_METRICS)
         names["clip"] = _cosignal(df, clip_metric, CONSUMED["clip"], CLIP_METRICS)
@@ -123,6 +128,8 @@ def _surge_line(result: ReplayResult) -> str:
 
 def cmd_replay(args) -> int:
     config = scheduler_config(args)
+    if args.plot:
+        figure_path(args.plot)
     df = load_run(args.run)
     metric, length_read = replayed_length(df, args.metric, config)
     result, values = replay_run(df, metric, config, args.warmup_steps, args.kl_metric, args.score_metric,
@@ -157,7 +164,8 @@ def add_parser(sub) -> None:
     p.add_argument("run", help=RUN_HELP)
     p.add_argument("--metric", help=METRIC_HELP)
     p.add_argument("--kl-metric", help=KL_HELP)
-    p.add_argument("--plot", metavar="PNG", help="save the length, baseline and LR scale to this PNG")
+    p.add_argument("--plot", metavar="PNG",
+                   help="save the length, baseline and LR scale to this figure (.png, .pdf, .svg, ...)")
     p.add_argument("--json", action="store_true", help="print one JSON object: surge_step, decay_period, "
                                                        "steps, lr_scale")
     add_scheduler_options(p)
