@@ -582,3 +582,15 @@ def test_a_closed_stdout_is_no_error(verl_run):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and err == "", err
+
+
+@pytest.mark.parametrize("argv,usage", [(["replay", "RUN", "--out", "d"], "usage: lrstab replay"),
+                                        (["calibrate", "RUN", "--json"], "usage: lrstab calibrate"),
+                                        (["check-verl", "x"], "usage: lrstab check-verl")])
+def test_an_unknown_argument_is_named_with_its_subcommands_usage(capsys, argv, usage):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith(usage)
+    extra = argv[1:] if argv[0] == "check-verl" else argv[2:]
+    assert f"lrstab {argv[0]}: error: unrecognized arguments: {' '.join(extra)}" in err

@@ -46,9 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lrstab`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand, with its usage (argparse would show the top level's)
+        _subparsers(parser)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("verl_lrstab").setLevel(logging.INFO if args.verbose else logging.ERROR)
     # what a run's reader left out (a line cut short, a step logged twice) is always said
