@@ -594,3 +594,12 @@ def test_an_unknown_argument_is_named_with_its_subcommands_usage(capsys, argv, u
     assert exc.value.code == 2 and err.startswith(usage)
     extra = argv[1:] if argv[0] == "check-verl" else argv[2:]
     assert f"lrstab {argv[0]}: error: unrecognized arguments: {' '.join(extra)}" in err
+
+
+@pytest.mark.parametrize("command", [["guard", "--run-dir", "{tmp}/g"],
+                                     ["admit", "--candidate", "a=x=1", "--out", "{tmp}/a"]])
+def test_a_command_that_is_not_verls_entry_point_is_refused_before_it_runs(tmp_path, capsys, command):
+    argv = [a.format(tmp=tmp_path) for a in command] + ["--", "python", "train.py"]
+    code, _, err = run_cli(*argv, capsys=capsys)
+    assert code == 2 and f"lrstab {command[0]}: error: the command after `--` must run verl's entry point" in err
+    assert "got 'python train.py'" in err and not (tmp_path / "a").exists()

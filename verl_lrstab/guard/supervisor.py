@@ -59,7 +59,7 @@ def split_command(command: Sequence[str]) -> tuple[list[str], list[str]]:
     """``(launcher, overrides)`` of ``python -m verl.trainer.main_ppo [--config-path P --config-name N] k=v ...``."""
     command = list(command)
     if ENTRY not in command or "-m" not in command or command.index("-m") + 1 != command.index(ENTRY):
-        raise GuardError(f"the guarded command must run verl's entry point, `python -m {ENTRY} ...` (after `--`); "
+        raise GuardError(f"the command after `--` must run verl's entry point, `python -m {ENTRY} ...`; "
                          f"got {' '.join(command) or 'nothing'!r}")
     cut = command.index(ENTRY) + 1
     head, rest = command[:cut], command[cut:]
