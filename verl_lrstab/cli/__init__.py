@@ -19,6 +19,7 @@ found no surge. A module a subcommand; the shared options and metric names are i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except BrokenPipeError:  # the reader of stdout went away (`| head`): not an error of lrstab's
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        with contextlib.suppress(OSError, ValueError):  # no second error at exit's flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (RunError, OSError) as err:
         print(f"lrstab: error: {err}", file=sys.stderr)
