@@ -145,5 +145,9 @@ def test_a_stock_fully_async_run_is_the_same_with_the_plugin_and_without(main_pp
         a, b = with_plugin[step], stock[step]
         assert not [k for k in (*a, *b) if k.startswith(("actor/lrstab/", "actor/mismatch/"))]
         assert set(a) == set(b), set(a) ^ set(b)
-        for key in ("actor/lr", "actor/grad_norm", "response_length/mean", "critic/score/mean"):
+        for key in ("actor/lr", "response_length/mean", "critic/score/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), (step, key)
+        # the same samples, but they reach the trainer in the order the rollouter finishes them, so the float32
+        # gradient is summed in another order from run to run: 1.6e-7 relative measured (update 3, one run of
+        # two); a changed LR or a changed loss moves it by far more
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-5), step
