@@ -567,7 +567,7 @@ def test_a_step_logged_twice_with_other_values_is_said(tmp_path, capsys, caplog)
     run.write_text("step,response_length/mean\n" + rows + "".join(f"{s},{300 + s}\n" for s in range(40, 45)))
     code, out, err = run_cli("replay", run, capsys=capsys)
     assert code == 0 and "(60 values, steps 1..60)" in out
-    assert "5 step(s) logged on several rows with different values (first: step 40)" in caplog.text
+    assert f"{run}: 5 step(s) logged on several rows with different values (first: step 40)" in caplog.text
     caplog.clear()
     same = tmp_path / "same.csv"  # the same values again (an export's overlap) is no news
     same.write_text("step,response_length/mean\n" + rows + rows[:30])

@@ -263,13 +263,14 @@ def read_metrics(path: os.PathLike, name: os.PathLike | None = None, strict: boo
                     raise TypeError
                 step = _as_step(step)
             except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-                if strict and line.endswith(b"\n"):
-                    raise RunError(f"{path}:{lineno}: not a verl file-logger line {_LINE_SHAPE}") from None
-                if strict:  # a last line cut short: a run still writing, or killed mid-line
-                    logger.warning("verl_lrstab: %s:%d: the last line is incomplete (a run still writing, or "
-                                   "stopped mid-line): read without it", name or path, lineno)
+                if not line.endswith(b"\n"):  # the last line, cut short: a run still writing, or killed mid-line
+                    if strict:
+                        logger.warning("verl_lrstab: %s:%d: the last line is incomplete (a run still writing, or "
+                                       "stopped mid-line): read without it", name or path, lineno)
                     continue
-                if line.endswith(b"\n") and (ident, lineno) not in _WARNED:  # no newline: still being written
+                if strict:
+                    raise RunError(f"{path}:{lineno}: not a verl file-logger line {_LINE_SHAPE}") from None
+                if (ident, lineno) not in _WARNED:
                     _WARNED.add((ident, lineno))
                     text = line.decode("utf-8", "replace").strip()
                     shown = text if len(text) <= 80 else text[:77] + "..."
@@ -329,18 +330,18 @@ def _read_jsonl(p: Path) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
-def _keyed_by_update(df: pd.DataFrame) -> pd.DataFrame:
+def _keyed_by_update(df: pd.DataFrame, source: Path) -> pd.DataFrame:
     """A table indexed by step label (a CSV's rows in the file's order, TensorBoard's by step) with its rows
     under :class:`UpdateKeys`' steps, the rows of a step merged (the later value winning)."""
     if GLOBAL_STEP in df.columns and ASYNC_VERSION in df.columns:
         keys = UpdateKeys()
         df = df.copy()
         df.index = [keys(int(label), row) for label, row in zip(df.index, df.to_dict("records"))]
-    _warn_overwritten(df)
+    _warn_overwritten(df, source)
     return df.groupby(level=0, sort=True).last()
 
 
-def _warn_overwritten(df: pd.DataFrame) -> None:
+def _warn_overwritten(df: pd.DataFrame, source: Path) -> None:
     """One warning where rows of one step disagree on a metric (a log appended to by a resumed run, two
     exports pasted together): the later value is read, which may move a surge."""
     twice = df[df.index.duplicated(keep=False)]
@@ -350,7 +351,7 @@ def _warn_overwritten(df: pd.DataFrame) -> None:
     steps = differ.index[differ.to_numpy()].tolist()
     if steps:
         logger.warning("verl_lrstab: %s: %d step(s) logged on several rows with different values (first: step %s): "
-                       "the later row's values are read", df.attrs.get("source", "the run"), len(steps), steps[0])
+                       "the later row's values are read", source, len(steps), steps[0])
 
 
 def _lines(f, p: Path):
@@ -386,7 +387,7 @@ def _read_csv(p: Path) -> pd.DataFrame:
     df = _tidy_wandb_columns(df).apply(_numeric_if_possible)
     df.index = steps
     # A step on several rows: merge them, the later value winning.
-    return _keyed_by_update(df)
+    return _keyed_by_update(df, p)
 
 
 def _tidy_wandb_columns(df: pd.DataFrame) -> pd.DataFrame:
@@ -442,7 +443,7 @@ def _read_tensorboard(d: Path) -> pd.DataFrame:
             columns.setdefault(tag, vals)
     if not columns:
         raise RunError(f"{run_dirs[0]}: the TensorBoard events hold no scalars")
-    return _keyed_by_update(pd.DataFrame(columns).sort_index())
+    return _keyed_by_update(pd.DataFrame(columns).sort_index(), d)
 
 
 def _as_step(value) -> int:
