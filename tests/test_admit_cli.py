@@ -57,6 +57,15 @@ def test_a_failed_candidate_is_failed_with_its_error_and_a_failed_reference_fall
     assert "warning:" in res.stderr and c["bf16"]["verdict"] == "admit"
 
 
+@pytest.mark.parametrize("option, value", [("--budget-factor", "0"), ("--budget-factor", "nan"),
+                                           ("--budget-factor", "-4"), ("--timeout", "0"), ("--timeout", "nan")])
+def test_a_bad_number_is_refused_before_any_candidate_runs(tmp_path, option, value):
+    res = admit(tmp_path, "--candidate", "ref=env:STANDIN_K3=1e-5", "--candidate", "bf16=env:STANDIN_K3=3e-5",
+                "--reference", "ref", option, value)
+    assert res.returncode == 2 and f"{option}=" in res.stderr and "allowed values are a number" in res.stderr
+    assert not (tmp_path / "launches.txt").exists()  # no candidate launched
+
+
 def test_the_timeout_stops_a_candidate_and_reports_it_failed(tmp_path):
     res = admit(tmp_path, "--timeout", "12", "--candidate", "slow=env:STANDIN_HANG=1 env:STANDIN_K3=1e-5",
                 "--candidate", "ok=env:STANDIN_K3=1e-5")

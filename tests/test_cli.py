@@ -330,6 +330,8 @@ def test_bad_cli_only_values_are_refused_by_name(verl_run, capsys, argv, message
     (["--collapse-fraction", "0"], "--collapse-fraction=0.0 is invalid: allowed values are a number in (0, 1]"),
     (["--cap-fraction", "1.5"], "--cap-fraction=1.5 is invalid"),
     (["--crash-fraction", "-1"], "--crash-fraction=-1.0 is invalid"),
+    (["--crash-fraction", "1"], "--crash-fraction=1.0 is invalid: allowed values are a number in (0, 1)"),
+    (["--collapse-fraction", "nan"], "--collapse-fraction=nan is invalid"),
     (["--max-response-length", "0"], "--max-response-length=0 is invalid: allowed values are an integer >= 1"),
 ])
 def test_bad_compare_values_are_refused_by_name(verl_run, tmp_path, capsys, argv, message):

@@ -78,3 +78,33 @@ def test_a_state_without_the_mismatch_trigger_part_would_be_caught():
         return  # refusing such a state is also fine
     drive(opt2, fresh, SAVE_AT + 1, STEPS)
     assert fresh.schedule.trigger_step != FIRED_AT
+
+
+@pytest.mark.parametrize("options", [{"gamma": "float64"}, {"gamma": "float32"}, {"mismatch_calibration_steps": "int64"},
+                                     {"skip_first_steps": "int32"}])
+def test_options_given_as_numpy_numbers_train_and_checkpoint_as_python_ones(options):
+    """A sweep's grid hands numpy scalars: they are the same options, and the checkpoint they make loads
+    with ``weights_only=True`` (a numpy scalar in the state would be refused there)."""
+    import numpy as np
+
+    (key, dtype), = options.items()
+    plain = {"gamma": 0.25, "mismatch_calibration_steps": 5, "skip_first_steps": 3}[key]
+    given = np.dtype(dtype).type(plain)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-6)
+    sched = LengthSurgeLR(opt, {**OPTIONS, "trigger": "either", key: given})
+    assert type(getattr(sched.config, key)) is type(plain) and getattr(sched.config, key) == plain
+    drive(opt, sched, 1, SAVE_AT)
+    buf = io.BytesIO()
+    torch.save({"lr_scheduler": sched.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)["lr_scheduler"]["options"][key]
+    assert type(saved) is type(plain) and saved == plain
+
+
+@pytest.mark.parametrize("key, value", [("patience", "bool_"), ("patience", "float64")])
+def test_numpy_values_that_are_not_the_options_type_stay_refused(key, value):
+    import numpy as np
+
+    with pytest.raises(ValueError, match=f"length_surge.{key}=.*allowed values are an integer >= 1"):
+        LengthSurgeLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                      {"detector": "ratio", key: getattr(np, value)(3)})

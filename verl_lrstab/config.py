@@ -16,6 +16,7 @@ table (``scripts/gen_config_docs.py``) are generated from those declarations.
 from __future__ import annotations
 
 import math
+import numbers
 import textwrap
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, ClassVar, Mapping, Optional, TypeVar, Union, cast
@@ -320,6 +321,9 @@ class LengthSurgeConfig:
     def __post_init__(self):
         specs = options()
         for key, spec in specs.items():
+            # numpy's scalars (a sweep's grid) become Python's: a checkpoint holding a numpy scalar is refused by
+            # ``torch.load(weights_only=True)``
+            object.__setattr__(self, key, _python_number(getattr(self, key), spec.allowed.kind))
             _check(spec.allowed.admits(getattr(self, key)), key, getattr(self, key), spec.allowed.text)
         if self.decay_from_step is not None:
             _check(self.decay_period is not None, "decay_from_step", self.decay_from_step,
@@ -442,6 +446,19 @@ def options_for(options: Union["LengthSurgeConfig", Mapping[str, Any], None], wh
         value = getattr(options, key)
         _check(value in allowed, key, value, f"one of {list(allowed)} for {who}")
     return options
+
+
+def _python_number(value, kind: str):
+    """``value`` as a Python ``int``/``float`` where it is another integral/real number type (numpy's
+    ``int64``, ``float32``) of a ``"number"`` or ``"integer"`` option; anything else is returned as is
+    (bools and texts stay refused)."""
+    if kind not in ("number", "integer") or isinstance(value, (bool, str)) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if kind == "number" and isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def _num(value) -> float:

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 from verl_lrstab.admit.verdict import (DEFAULT_BUDGET_K3, Budget, CandidateReport, calibrated_budget, judge,
                                        plot_tails, report_json, report_table)
+from verl_lrstab._numbers import finite_float
 from verl_lrstab.config import OPTIM_KEY
 from verl_lrstab.mismatch_checks import check_rollout_config
 from verl_lrstab.guard.supervisor import (compose_config, raise_on_signal, split_command, start_supervised,
@@ -106,6 +107,11 @@ def run_candidates(command: Sequence[str], candidates: Sequence[Candidate], step
         raise ValueError(f"--candidate names must be given and distinct, got {names}")
     if reference is not None and reference not in names:
         raise ValueError(f"--reference {reference!r} is not a candidate: allowed values are {names}")
+    # checked before the first candidate runs: a bad number found after them would cost every run
+    if reference is not None and (finite_float(factor) is None or factor <= 0):
+        raise ValueError(f"--budget-factor={factor!r} is invalid: allowed values are a number > 0")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"--timeout={timeout_s!r} is invalid: allowed values are a number of seconds > 0 (inf: none)")
     launcher, base = split_command(command)
     cwd = Path(cwd or os.getcwd()).resolve()
     env = dict(os.environ if env is None else env)

@@ -56,6 +56,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ray-address", help="a running Ray cluster every candidate joins (e.g. auto; default: each "
                                          "candidate starts its own)")
     p.add_argument("--timeout", type=float, default=1800,
-                   help="seconds per candidate; past it the candidate is stopped and reported as failed (default 1800)")
+                   help="seconds per candidate; past it the candidate is stopped and reported as failed (default 1800; "
+                        "inf: no limit)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python -m verl.trainer.main_ppo ...")
     p.set_defaults(func=cmd_admit)

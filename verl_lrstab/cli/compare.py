@@ -152,10 +152,12 @@ def cmd_compare(args) -> int:
     import pandas as pd
 
     config = scheduler_config(args)
-    for key in ("collapse_fraction", "cap_fraction", "crash_fraction"):
+    # a crash at 1 x the peak would be any dip below it: (0, 1), as the guard's rollback rule
+    for key, one_in in (("collapse_fraction", True), ("cap_fraction", True), ("crash_fraction", False)):
         value = getattr(args, key)
-        if not 0 < value <= 1:
-            raise RunError(f"--{key.replace('_', '-')}={value!r} is invalid: allowed values are a number in (0, 1]")
+        allowed = "(0, 1]" if one_in else "(0, 1)"
+        if not (0 < value <= 1 if one_in else 0 < value < 1):
+            raise RunError(f"--{key.replace('_', '-')}={value!r} is invalid: allowed values are a number in {allowed}")
     if args.max_response_length is not None and args.max_response_length < 1:
         raise RunError(f"--max-response-length={args.max_response_length!r} is invalid: allowed values are an "
                        "integer >= 1")
