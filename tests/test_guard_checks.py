@@ -9,8 +9,10 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -177,6 +179,39 @@ def test_a_copy_across_file_systems_is_written_under_a_temporary_name_and_a_full
     (src / "actor" / "model.pt").write_bytes(os.urandom(2**19))  # "space freed": now it fits
     assert moves.move_aside(src, dest, local) == dest
     assert not src.exists() and (dest / "actor" / "link").is_symlink() and (dest / "actor" / "model.pt").is_file()
+
+
+def _checkpoint(folder: Path, text: str, age_s: float = 0.0) -> None:
+    """A checkpoint folder of two shards and a link, its files ``age_s`` seconds old."""
+    (folder / "actor").mkdir(parents=True)
+    for rank in (0, 1):
+        (folder / "actor" / f"model_world_size_2_rank_{rank}.pt").write_text(text)
+    (folder / "actor" / "link").symlink_to("model_world_size_2_rank_0.pt")
+    then = time.time() - age_s
+    for f in (folder / "actor").glob("*.pt"):
+        os.utime(f, (then, then))
+
+
+def test_a_redone_move_removes_the_original_of_a_finished_copy_even_partly_removed(tmp_path):
+    src, dest = tmp_path / "ck" / "global_step_12", tmp_path / "run" / "attempt-1" / "global_step_12"
+    _checkpoint(src, "launch 1 step 12", age_s=3600)
+    shutil.copytree(src, dest, symlinks=True)  # the copy renamed into place (copy2 keeps the times) ...
+    (src / "actor" / "model_world_size_2_rank_1.pt").unlink()  # ... and the guard killed removing the original
+    assert moves.move_aside(src, dest, tmp_path / "ck" / "lrstab_abandoned" / "global_step_12") == dest
+    assert not src.exists() and sorted(p.name for p in (dest / "actor").iterdir()) == [
+        "link", "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
+
+
+@pytest.mark.parametrize("text", ["launch 2 step 12", "launch 1 step 12"])  # the same sizes, even the same bytes
+def test_a_folder_saved_again_where_one_was_moved_aside_is_refused_never_removed(tmp_path, text):
+    src, dest = tmp_path / "ck" / "global_step_12", tmp_path / "run" / "attempt-1" / "global_step_12"
+    _checkpoint(dest, "launch 1 step 12", age_s=3600)  # moved aside by a guard that was killed after
+    _checkpoint(src, text)  # verl, resumed by hand, saved step 12 again
+    with pytest.raises(GuardError, match=f"{src} and {dest} both exist and hold different files: global_step_12 "
+                                         "was saved again after the guard moved the earlier one aside"):
+        moves.move_aside(src, dest, tmp_path / "ck" / "lrstab_abandoned" / "global_step_12")
+    assert (src / "actor" / "model_world_size_2_rank_1.pt").read_text() == text  # both kept whole
+    assert (dest / "actor" / "model_world_size_2_rank_1.pt").read_text() == "launch 1 step 12"
 
 
 def test_the_tracker_rewrite_keeps_its_mode_and_group(tmp_path):

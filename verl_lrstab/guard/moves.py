@@ -81,6 +81,28 @@ def _copy_tree(src: Path, dst: Path) -> None:
     shutil.copystat(src, dst)
 
 
+def _is_original_of(src: Path, copy: Path) -> bool:
+    """Whether every file left under ``src`` is in ``copy`` with its size and modification time (which
+    ``shutil.copy2`` keeps; 1 s of slack for a file system with coarser times), each link with its
+    target: ``src`` is the original of the copy (partly removed, perhaps), not a folder saved there
+    after the earlier one was moved aside, whose files are newer."""
+    for root, dirs, files in os.walk(src):
+        here = copy / Path(root).relative_to(src)
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            a, b = Path(root, name), here / name
+            if a.is_symlink() or b.is_symlink():
+                if not (a.is_symlink() and b.is_symlink() and os.readlink(a) == os.readlink(b)):
+                    return False
+                continue
+            try:
+                sa, sb = a.stat(), b.stat()
+            except FileNotFoundError:
+                return False
+            if sa.st_size != sb.st_size or abs(sa.st_mtime - sb.st_mtime) > 1.0:
+                return False
+    return True
+
+
 def move_aside(src: Path, dest: Path, local: Path) -> Path:
     """Move the checkpoint folder ``src`` to ``dest`` (returns where it went).
 
@@ -89,11 +111,20 @@ def move_aside(src: Path, dest: Path, local: Path) -> Path:
     copied and nothing can fill a disk). Only where that fails too (``src`` itself a mount), it is
     copied under a temporary name, renamed to ``dest`` when complete, and the original removed
     after; a copy that fails (``ENOSPC``) is removed again. Redone after a kill, it completes:
-    ``dest`` exists only once a copy is complete, so an original still beside it is removed."""
+    ``dest`` exists only once a copy is complete, so an original still beside it is removed, once its
+    files are found in the copy unchanged; a folder saved at ``src`` after the move is refused, never
+    removed."""
     for target in (dest, local):
         if target.exists() and not src.exists():
             return target  # moved before the guard died
     if dest.exists() and src.exists():  # a complete copy, its original being removed when the guard died
+        with io_step("compare the folder with its copy", src):
+            copied = _is_original_of(src, dest)
+        if not copied:
+            raise GuardError(f"{src} and {dest} both exist and hold different files: {src.name} was saved again after "
+                             f"the guard moved the earlier one aside (verl run by hand, or another guard); nothing was "
+                             f"removed. Keep the one to resume from in {src.parent}, move the other out of both "
+                             "places, then continue with --resume")
         with io_step("remove the copied original", src):
             shutil.rmtree(src)
         return dest

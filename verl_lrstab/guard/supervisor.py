@@ -304,8 +304,9 @@ class Guard:
 
     def _refuse_an_unfinished_run(self, previous: dict) -> None:
         """A new run folder on checkpoints that an unfinished guarded run rolled back (its state still
-        ``running`` or ``failed``, with an LR rule) would relaunch verl without that rule: refused,
-        naming the run to continue instead."""
+        ``running`` or ``failed``, with an LR rule) would relaunch verl without that rule; on checkpoints
+        whose set-aside that run left unfinished (``pending``), its redo would later move aside what the
+        new run saves. Both refused, naming the run to continue instead."""
         other = previous.get("run_dir")
         if not other or Path(other) == self.run_dir:
             return
@@ -313,10 +314,19 @@ class Guard:
             state = load_state(Path(other))
         except GuardError:
             return
-        if not state or state.status not in ("running", "failed") or not state.rules:
+        if not state or state.status not in ("running", "failed") or not (state.rules or state.pending):
             return
-        rule = state.rules[-1]
         self._checkpoints.restore_previous()
+        if not state.rules:
+            assert state.pending is not None
+            what = ("every checkpoint" if state.pending.scratch else
+                    f"its checkpoints after step {state.pending.checkpoint_step}")
+            raise GuardError(f"trainer.default_local_dir={self.plan.checkpoint_dir}: the guarded run of {other} "
+                             f"({state.status}) stopped midway through moving {what} aside (into "
+                             f"{state.pending.dest}); a new run folder "
+                             f"would train over that unfinished move. Continue that run: lrstab guard --resume {other} "
+                             "(or pass --from-scratch to move its checkpoints aside and train from step 0)")
+        rule = state.rules[-1]
         raise GuardError(f"trainer.default_local_dir={self.plan.checkpoint_dir}: its checkpoints belong to the guarded "
                          f"run of {other} ({state.status}), whose rollback to step {rule.checkpoint_step} set the "
                          f"LR rule decay_from_step={rule.decay_from_step}, decay_period={rule.decay_period}; a new "
