@@ -360,8 +360,39 @@ def test_verls_class_keeps_verls_stock_behaviour_for_unknown_names():
     from verl.workers.config import FSDPOptimizerConfig
 
     with pytest.raises(ValueError, match=r"lr_scheduler_type='lenght_surge' is not supported: allowed values"):
-        FSDPOptimizerConfig(lr=1e-6, lr_scheduler_type="lenght_surge")
+        FSDPOptimizerConfig(lr=1e-6, lr_scheduler_type="lenght_surge")  # a misspelt length_surge: named
+    with pytest.raises(AssertionError):  # any other name: verl's own check decides, as without the plugin
+        FSDPOptimizerConfig(lr=1e-6, lr_scheduler_type="wsd")
     assert verl_optimizer.FSDPOptimizerConfig is FSDPOptimizerConfig
+
+
+@pytest.mark.parametrize("name, kwargs", [("FSDPOptimizerConfig", {"lr_scheduler_type": "cosine"}),
+                                          ("FSDPOptimizerConfig", {}),
+                                          ("McoreOptimizerConfig", {"lr_decay_style": "cosine"}),
+                                          ("McoreOptimizerConfig", {})])
+def test_a_stock_config_is_verls_own_class_and_reaches_a_process_without_the_package(name, kwargs):
+    import cloudpickle  # what Ray sends a worker's config with (a critic's optim, too)
+    import verl.workers.config as verl_config
+
+    made = getattr(verl_config, name)(lr=1e-6, **kwargs)
+    assert type(made) is getattr(verl_optimizer, name)._lrstab_original  # verl's class, built by verl's checks
+    blob = cloudpickle.dumps(made)
+    assert b"verl_lrstab" not in blob
+    # a worker node without verl-lrstab: its import fails there, and the plugin does not load
+    proc = subprocess.run([sys.executable, "-c", "import pickle, sys; sys.modules['verl_lrstab'] = None; "
+                           "print(repr(pickle.loads(sys.stdin.buffer.read())))"], input=blob, capture_output=True,
+                          timeout=240, env={"VERL_USE_EXTERNAL_PLUGINS": "none", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert repr(made) in proc.stdout.decode()
+
+
+def test_length_surge_options_beside_a_stock_scheduler_are_warned_and_left_out():
+    from verl.workers.config import FSDPOptimizerConfig
+
+    with pytest.warns(UserWarning, match=r"optim\.length_surge is set but lr_scheduler_type='cosine': the length_surge "
+                                         "options are ignored"):
+        made = FSDPOptimizerConfig(lr=1e-6, lr_scheduler_type="cosine", length_surge={"patience": 3})
+    assert type(made) is verl_optimizer.FSDPOptimizerConfig._lrstab_original and not hasattr(made, "length_surge")
 
 
 # -- imports: no side effects; a broken module is named --------------------------------------------------

@@ -7,8 +7,10 @@ verl's ``optim/fsdp.yaml`` / ``optim/megatron.yaml``), so the name alone selects
     actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge      # FSDP (Megatron accepts it too)
     actor_rollout_ref.actor.optim.lr_decay_style=length_surge         # Megatron's own key
 
-Both derive from the verl class the glue finds. For any other name the subclass runs verl's own
-``__post_init__`` unchanged. For ``length_surge`` it runs verl's with ``constant`` in its place (verl
+Both derive from the verl class the glue finds. A config that names another scheduler is built as verl's
+own class, by verl's own checks (a misspelt ``length_surge`` is refused naming the allowed values): no
+code of this package runs with it, and it reaches a Ray worker without this package (a critic's optim
+too). For ``length_surge`` the subclass runs verl's with ``constant`` in its place (verl
 asserts the name is one of its own), then restores the name: every other check of verl's applies as
 it is; the options node is checked by :class:`~verl_lrstab.config.LengthSurgeConfig`, as training reads
 it (:meth:`~verl_lrstab.config.LengthSurgeConfig.check_training`).

@@ -67,6 +67,12 @@ def _build_fsdp(base: type, require) -> type:
 
         length_surge: Optional[Any] = None
 
+        def __new__(cls, *args, **kwargs):
+            name = kwargs.get("lr_scheduler_type", "constant")
+            if args or not kwargs or SCHEDULER_NAME in (name, kwargs.get("warmup_style")) or _misspelt(name):
+                return super().__new__(cls)
+            return _verl_own(base, kwargs, "lr_scheduler_type", name, ("length_surge",))
+
         def __post_init__(self):
             if self.warmup_style == SCHEDULER_NAME:
                 raise ValueError(f"{OPTIM}.warmup_style={SCHEDULER_NAME!r} is not supported: warmup_style is verl's "
@@ -116,6 +122,13 @@ def _build_mcore(base: type, require) -> type:
         lr_scheduler_type: Optional[str] = None
         length_surge: Optional[Any] = None
 
+        def __new__(cls, *args, **kwargs):
+            style = kwargs.get("lr_decay_style", "linear")
+            if (args or not kwargs or kwargs.get("lr_scheduler_type") is not None or style == SCHEDULER_NAME
+                    or _misspelt(style)):
+                return super().__new__(cls)
+            return _verl_own(base, kwargs, "lr_decay_style", style, ("length_surge", "lr_scheduler_type"))
+
         def __post_init__(self):
             if self.lr_scheduler_type is not None:
                 if self.lr_scheduler_type != SCHEDULER_NAME:
@@ -140,8 +153,7 @@ def _build_mcore(base: type, require) -> type:
                                    "so that a resumed run continues its LR schedule and surge detector exactly", OPTIM)
                     object.__setattr__(self, "use_checkpoint_opt_param_scheduler", True)
             else:
-                close = difflib.get_close_matches(str(self.lr_decay_style), [SCHEDULER_NAME], n=1, cutoff=0.75)
-                if close:
+                if _misspelt(self.lr_decay_style):
                     raise ValueError(f"{OPTIM}.lr_decay_style={self.lr_decay_style!r} is not supported: allowed "
                                      f"values are {list(STYLES)}")
                 if self.length_surge:
@@ -150,6 +162,23 @@ def _build_mcore(base: type, require) -> type:
             super().__post_init__()  # verl's own (it accepts any lr_decay_style)
 
     return _named(LengthSurgeMcoreOptimizerConfig)
+
+
+def _misspelt(name) -> bool:
+    """Whether the scheduler name ``name`` reads as a misspelt ``length_surge`` (refused naming the allowed
+    values, where verl's own check would fail with a bare assertion or not at all)."""
+    return name != SCHEDULER_NAME and bool(difflib.get_close_matches(str(name), [SCHEDULER_NAME], n=1, cutoff=0.75))
+
+
+def _verl_own(base: type, kwargs: dict, key: str, name, ours: tuple):
+    """A config that does not name ``length_surge``, built as verl's own class ``base`` by verl's own checks:
+    nothing of this package runs with it or travels with it when Ray sends it to a worker (a critic's optim
+    on a node without this package, too). Our fields (``ours``) are left out; ``length_surge`` options set
+    there are warned about, as they are ignored."""
+    if kwargs.get("length_surge"):
+        warnings.warn(f"{OPTIM}.length_surge is set but {key}={name!r}: the length_surge options are ignored",
+                      stacklevel=3)
+    return base(**{k: v for k, v in kwargs.items() if k not in ours})
 
 
 def _named(cls: type) -> type:
