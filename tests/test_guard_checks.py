@@ -214,6 +214,29 @@ def test_a_folder_saved_again_where_one_was_moved_aside_is_refused_never_removed
     assert (dest / "actor" / "model_world_size_2_rank_1.pt").read_text() == "launch 1 step 12"
 
 
+def test_a_copy_is_on_the_disk_under_its_name_before_its_original_is_removed(tmp_path, monkeypatch):
+    src, dest = tmp_path / "ck" / "global_step_12", tmp_path / "run" / "attempt-1" / "global_step_12"
+    _checkpoint(src, "launch 1 step 12")
+    log, real_rename, real_fsync, real_rmtree = [], os.rename, os.fsync, shutil.rmtree
+
+    def rename(a, b):
+        if Path(a) in (src, src.parent / "lrstab_abandoned" / src.name):  # the folder is a mount: no rename
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        log.append(("rename", Path(a).name, Path(b).name))
+        return real_rename(a, b)
+
+    monkeypatch.setattr(moves.os, "rename", rename)
+    monkeypatch.setattr(moves.os, "fsync", lambda fd: log.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}"))
+                                                                   .name)) or real_fsync(fd))
+    monkeypatch.setattr(moves.shutil, "rmtree", lambda p, *a, **k: log.append(("rmtree", Path(p).name))
+                        or real_rmtree(p, *a, **k))
+    assert moves.move_aside(src, dest, src.parent / "lrstab_abandoned" / src.name) == dest
+    swap = log.index(("rename", "global_step_12.lrstab-partial", "global_step_12"))
+    shards = [log.index(("fsync", f"model_world_size_2_rank_{r}.pt")) for r in (0, 1)]
+    assert max(shards) < log.index(("fsync", "global_step_12.lrstab-partial")) < swap  # the copy's data and entries
+    assert swap < log.index(("fsync", "attempt-1")) < log.index(("rmtree", "global_step_12"))  # then its name
+
+
 def test_the_tracker_rewrite_keeps_its_mode_and_group(tmp_path):
     tracker = tmp_path / "latest_checkpointed_iteration.txt"
     tracker.write_text("12")

@@ -219,3 +219,72 @@ def assert_message_is_truthful(message: str, ckpt: Path):
             assert f"{name} ->" not in message, message
         else:  # moved: the message says where
             assert f"{name} ->" in message, message
+
+
+def test_each_write_is_on_the_disk_before_the_next_step_relies_on_it(pristine, tmp_path, monkeypatch):
+    """Power loss, which a SIGKILL above does not show: the page cache is lost too. The decision, then the
+    tracker, then the moves, then the cleared decision: each reaches the disk (its data and its folder's
+    entry, fsync) before the next is made."""
+    guard = make_case(pristine, tmp_path)
+    log: list = []
+    real = {name: getattr(os, name) for name in ("fsync", "rename", "replace")}
+
+    def fsync(fd):
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real["fsync"](fd)
+
+    def renamer(name):
+        def op(src, dst, *args, **kwargs):
+            log.append((name, str(src), str(dst)))
+            return real[name](src, dst, *args, **kwargs)
+        return op
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", renamer("rename"))
+    monkeypatch.setattr(os, "replace", renamer("replace"))
+    try:
+        guard._save()
+        guard._finish_pending()
+    finally:
+        guard.release()
+    ckpt, run_dir, kept = str(tmp_path / "ckpt"), str(tmp_path / "guard"), tmp_path / "ckpt" / f"global_step_{KEEP}"
+
+    def at(entry, after=-1):
+        return next(i for i, e in enumerate(log) if i > after and e == entry)
+
+    def first(pred, after=-1):
+        return next(i for i, e in enumerate(log) if i > after and pred(e))
+
+    state = str(tmp_path / "guard" / "guard_state.json")
+    decided = first(lambda e: e[0] == "replace" and e[2] == state)
+    tracker = first(lambda e: e[0] == "replace" and e[2] == f"{ckpt}/latest_checkpointed_iteration.txt")
+    moves = [i for i, e in enumerate(log) if e[0] == "rename" and e[1].startswith(f"{ckpt}/global_step_")]
+    cleared = first(lambda e: e[0] == "replace" and e[2] == state, after=tracker)
+    assert len(moves) == (STEPS - KEEP) // SAVE_FREQ
+    assert decided < at(("fsync", run_dir), decided) < tracker  # the decision durable before anything moves
+    assert tracker < at(("fsync", ckpt), tracker) < moves[0]  # the tracker durable before a folder leaves
+    assert moves[-1] < at(("fsync", ckpt), moves[-1]) < cleared  # the moves durable before verl is relaunched
+    for name in ("data.lrstab-orig.pt", "data.pt"):  # --skip-batches: each file's data, then its name
+        tmp = f"{kept}/.{name}.lrstab-tmp"
+        swap = at(("replace", tmp, f"{kept}/{name}"))
+        assert at(("fsync", tmp)) < swap < at(("fsync", str(kept)), swap) < cleared
+
+
+def test_a_new_run_folder_is_refused_on_checkpoints_whose_set_aside_is_unfinished(pristine, tmp_path):
+    from verl_lrstab.guard.plan import GuardError
+
+    guard = make_case(pristine, tmp_path)  # a restart's set-aside: no LR rule, only the pending moves
+    assert not guard.state.rules
+    guard._save()
+    guard.release()  # the guard died before the moves
+    with pytest.raises(GuardError, match=r"the guarded run of .*guard \(running\) stopped midway through moving its "
+                                         rf"checkpoints after step {KEEP} aside .*lrstab guard --resume .*guard"):
+        Guard(command(tmp_path / "ckpt"), run_dir=tmp_path / "other", env=standin_env(tmp_path), cwd=tmp_path)
+    assert read_tracker(tmp_path / "ckpt") == STEPS  # nothing touched
+    again = Guard(command(tmp_path / "ckpt"), run_dir=tmp_path / "guard", env=standin_env(tmp_path), cwd=tmp_path)
+    try:  # the run itself continues: its journal finishes
+        again.state = load_state(tmp_path / "guard")
+        again._finish_pending()
+        assert_finished(tmp_path, again)
+    finally:
+        again.release()

@@ -77,12 +77,44 @@ def write_atomic(path: Path, text: str) -> None:
                     pass
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        sync_folder(path.parent)  # the rename itself durable before anything that relies on it is done
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+
+
+# a file system that cannot fsync a folder (some FUSE and network ones) says so with these; any other error is one
+_NO_DIR_SYNC = {errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EISDIR}
+
+
+def sync_file(path) -> None:
+    """Write the file ``path``'s data to the disk (what a rename of it then publishes survives a power loss)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_folder(path) -> None:
+    """Write the folder ``path``'s entries to the disk: a rename into it, or a new file, survives a power loss
+    (the file's own data is :func:`sync_file`'s). Skipped where the file system cannot sync a folder."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as err:
+        if err.errno in _NO_DIR_SYNC:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _NO_DIR_SYNC:
+            raise
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

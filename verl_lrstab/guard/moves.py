@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from verl_lrstab.guard.files import GuardIOError, io_step
+from verl_lrstab.guard.files import GuardIOError, io_step, sync_file, sync_folder
 from verl_lrstab.guard.plan import (TRACKER, GuardError, checkpoint_complete, read_tracker, step_folders,
                                     write_tracker)
 from verl_lrstab.guard.run_state import Pending
@@ -78,7 +78,9 @@ def _copy_tree(src: Path, dst: Path) -> None:
             _copy_tree(Path(entry.path), target)
         else:
             shutil.copy2(entry.path, target)
+            sync_file(target)
     shutil.copystat(src, dst)
+    sync_folder(dst)
 
 
 def _is_original_of(src: Path, copy: Path) -> bool:
@@ -153,6 +155,7 @@ def move_aside(src: Path, dest: Path, local: Path) -> Path:
             raise
     with io_step("rename the finished copy to", dest):
         os.rename(partial, dest)
+        sync_folder(dest.parent)  # the copy is on the disk under its name before its original goes
     with io_step("remove the copied original", src):
         shutil.rmtree(src)
     return dest
@@ -168,7 +171,9 @@ def _move_file(src: Path, dest: Path) -> None:
             raise
         tmp = dest.with_name(dest.name + PARTIAL)
         shutil.copy2(src, tmp)
+        sync_file(tmp)
         os.rename(tmp, dest)
+        sync_folder(dest.parent)
         os.unlink(src)
 
 
@@ -180,6 +185,7 @@ def _link_or_copy(src: Path, dest: Path) -> None:
     except OSError:
         tmp = dest.with_name(dest.name + PARTIAL)
         shutil.copyfile(src, tmp)
+        sync_file(tmp)
         os.rename(tmp, dest)
 
 
@@ -243,10 +249,23 @@ def skip_batches(folder: Path, n: int, batch_size: Optional[int] = None) -> None
     if not orig.exists():
         tmp = folder / ".data.lrstab-orig.pt.lrstab-tmp"
         shutil.copy2(data, tmp)
+        sync_file(tmp)
         os.replace(tmp, orig)
+        sync_folder(folder)  # the original kept on the disk before data.pt is replaced
     tmp = folder / ".data.pt.lrstab-tmp"
     torch.save(state, tmp)
+    sync_file(tmp)
     os.replace(tmp, data)
+    sync_folder(folder)
+
+
+def _sync_moves(checkpoint_dir: Path, dest: Path, local: Path) -> None:
+    """The set-aside's renames written to the disk (both ends) before the journal is cleared and verl
+    relaunched: a power loss after that cannot bring back a folder verl then saves over."""
+    for folder in (checkpoint_dir, dest, local):
+        if folder.is_dir():
+            with io_step("write to the disk the moves in", folder):
+                sync_folder(folder)
 
 
 # -- the journal --------------------------------------------------------------------------------------
@@ -318,6 +337,7 @@ def carry_out(checkpoint_dir: Path, pending: Pending, progress: Progress, conten
             with io_step("link verl's log to", dest / "verl.log"):
                 _link_or_copy(log, dest / "verl.log")
     _move_all(checkpoint_dir, dest, local, progress, after=step)
+    _sync_moves(checkpoint_dir, dest, local)
     if pending.skip_batches:
         with io_step("move the dataloader position in", kept / "data.pt"):
             skip_batches(kept, pending.skip_batches, batch_size)
