@@ -142,6 +142,17 @@ def test_untouched_verl_has_no_error_and_accepts_length_surge():
     assert "verl-lrstab: cannot use" not in proc.stderr
 
 
+def test_a_plugin_that_cannot_even_load_its_failsafe_says_so_and_verl_runs():
+    # a broken install: the one import the entry point makes before anything can be reported fails
+    code = ("import sys; sys.modules['verl_lrstab.glue.failsafe'] = None\n"
+            "import verl\nfrom verl.workers.config import FSDPOptimizerConfig as C\n"
+            "print('RESULT', type(C(lr=1e-6, lr_scheduler_type='cosine')).__module__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert "RESULT verl.workers.config.optimizer" in proc.stdout, proc.stderr[-2000:]  # verl's own, untouched
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR verl-lrstab: the plugin cannot load")]
+    assert len(errors) == 1 and "verl_lrstab.glue.failsafe" in errors[0], proc.stderr[-2000:]
+
+
 def test_an_exception_inside_a_wrapper_factory_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(failsafe, "FAILURES", [])
     monkeypatch.setattr(failsafe, "_guard_armed", True)  # do not guard this test process's config classes

@@ -20,8 +20,14 @@ PACKAGE_MODULES = ("verl_lrstab._numbers", "verl_lrstab.config", "verl_lrstab.co
 
 
 def load() -> None:
-    from verl_lrstab.glue.failsafe import announce_verl, arm_guard, report_failure  # stdlib only: works whatever else is broken
+    try:
+        from verl_lrstab.glue.failsafe import announce_verl, arm_guard, report_failure  # stdlib only
+    except Exception as exc:  # noqa: BLE001 - a broken install: said here, since verl's DEBUG line is never seen
+        import sys
 
+        print(f"ERROR verl-lrstab: the plugin cannot load ({exc!r}); verl runs without it, and a run naming "
+              "length_surge fails in verl's own config check. Reinstall verl-lrstab", file=sys.stderr, flush=True)
+        return
     announce_verl()
 
     causes: set = set()  # modules importing a broken one fail with its error: report the first only
