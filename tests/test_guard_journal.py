@@ -288,3 +288,42 @@ def test_a_new_run_folder_is_refused_on_checkpoints_whose_set_aside_is_unfinishe
         assert_finished(tmp_path, again)
     finally:
         again.release()
+
+
+def test_an_unfinished_from_scratch_set_aside_is_finished_by_resume_over_a_stale_tracker(pristine, tmp_path):
+    from verl_lrstab.guard.plan import write_tracker
+
+    shutil.copytree(pristine / "ckpt", tmp_path / "ckpt", symlinks=True)
+    write_tracker(tmp_path / "ckpt", KEEP)  # stale: verl saved 10..14 and died before its tracker named them
+    guard = Guard(command(tmp_path / "ckpt"), run_dir=tmp_path / "guard", env=standin_env(tmp_path), cwd=tmp_path)
+    guard.state = guard._new_state()
+    guard.state.pending = guard._pending(None, guard._fresh_dir("before-start"))  # --from-scratch
+    moved = 0
+
+    def killed_after_two_moves(src, dst):  # the guard dies after moving 2..KEEP aside (the tracker moves last)
+        nonlocal moved
+        if Path(src).name.startswith("global_step_") and moved == KEEP // SAVE_FREQ:
+            raise KeyboardInterrupt
+        moved += 1
+        return real_rename(src, dst)
+
+    real_rename = os.rename
+    os.rename = killed_after_two_moves
+    try:
+        guard._save()
+        with pytest.raises(KeyboardInterrupt):
+            guard._finish_pending()
+    finally:
+        os.rename = real_rename
+        guard.release()
+    assert read_tracker(tmp_path / "ckpt") == KEEP and not (tmp_path / "ckpt" / f"global_step_{KEEP}").exists()
+    again = Guard(command(tmp_path / "ckpt"), run_dir=tmp_path / "guard", env=standin_env(tmp_path), cwd=tmp_path)
+    try:  # --resume finishes the decided set-aside: every folder aside, training from step 0
+        again.state = load_state(tmp_path / "guard")
+        assert again._continue({}) is None
+        assert not list((tmp_path / "ckpt").glob("global_step_*")) and read_tracker(tmp_path / "ckpt") is None
+        for s in range(SAVE_FREQ, STEPS + 1, SAVE_FREQ):  # each checkpoint exactly once, as launch 1 wrote it
+            found = copies(tmp_path, s)
+            assert len(found) == 1 and written_by(found[0]) == (1, s), (s, found)
+    finally:
+        again.release()

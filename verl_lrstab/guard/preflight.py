@@ -144,6 +144,8 @@ def resume_problem(plan: RunPlan, state: GuardState, logged: int, complete: list
         return (f"the checkpoint folder {ck} is missing (a file system not mounted yet?), but the run logged "
                 f"{logged} steps (verl saves every {plan.save_freq})"
                 + (f" and the last rollback resumed from step {needs}" if needs is not None else "") + f". {again}")
+    if state.pending is not None and state.pending.scratch:
+        return None  # an unfinished --from-scratch: its journal moves every folder aside, whatever they hold
     if needs is not None and not any(s >= needs for s in complete):
         return (f"the checkpoint the last rollback resumed from, {ck / f'global_step_{needs}'}, is missing or "
                 f"incomplete, and no later complete one is in {ck}. {again}")
