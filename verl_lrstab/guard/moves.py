@@ -313,6 +313,7 @@ def carry_out(checkpoint_dir: Path, pending: Pending, progress: Progress, conten
             with io_step("move verl's tracker aside to", dest / TRACKER):
                 dest.mkdir(parents=True, exist_ok=True)
                 _move_file(tracker, dest / TRACKER)
+        _sync_moves(checkpoint_dir, dest, local)
         progress.tracker_written = True
         return
     # complete as a folder (the tracker may name it already: a journal being redone)
