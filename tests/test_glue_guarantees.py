@@ -371,7 +371,7 @@ def test_verls_class_keeps_verls_stock_behaviour_for_unknown_names():
                                           ("McoreOptimizerConfig", {"lr_decay_style": "cosine"}),
                                           ("McoreOptimizerConfig", {})])
 def test_a_stock_config_is_verls_own_class_and_reaches_a_process_without_the_package(name, kwargs):
-    import cloudpickle  # what Ray sends a worker's config with (a critic's optim, too)
+    from ray import cloudpickle  # what Ray sends a worker's config with (a critic's optim, too)
     import verl.workers.config as verl_config
 
     made = getattr(verl_config, name)(lr=1e-6, **kwargs)

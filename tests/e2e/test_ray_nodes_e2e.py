@@ -159,9 +159,9 @@ def test_a_node_without_the_package_fails_the_run_before_it_trains_naming_the_no
     log = result.log_path.read_text(errors="replace")
     assert result.returncode != 0, result.log_tail()
     assert not result.metrics, "a step was trained"
-    assert "needs verl-lrstab on every node of the Ray cluster" in log, result.log_tail(80)
+    assert "needs verl-lrstab's plugin on every node of the Ray cluster" in log, result.log_tail(80)
     assert f"node {SECOND_IP} (" in log and "No module named 'verl_lrstab'" in log, result.log_tail(80)
-    assert "`import verl_lrstab` fails on 1 of its 2 nodes" in log, result.log_tail(80)
+    assert "verl cannot load it on 1 of its 2 nodes" in log, result.log_tail(80)
 
 
 @pytest.mark.slow  # two more runs (~3 min); make test keeps the failing node above

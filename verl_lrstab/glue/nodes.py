@@ -1,11 +1,12 @@
-"""Every node of the run's Ray cluster can import the package: checked before a ``length_surge`` run trains.
+"""Every node of the run's Ray cluster loads the plugin: checked before a ``length_surge`` run trains.
 
 verl loads the plugin in every process through its ``verl.plugins`` entry point, so a node where
 verl-lrstab is not installed runs the actor's workers without it: verl's own optimizer config
 then refuses the scheduler's name with a bare assertion. :func:`check_every_node` runs where the
 trainer is built (verl's TaskRunner): one tiny task pinned to each live node imports the package
-there and reports its version; a node where the import fails refuses the run, naming the node and
-the error. A one-node cluster is not probed: the trainer's own process has just imported the package
+there, finds its entry point and reads ``VERL_USE_EXTERNAL_PLUGINS`` (the job's environment, as verl's
+workers get it), and reports its version; a node where verl would not load the plugin refuses the run,
+naming the node and why. A one-node cluster is not probed: the trainer's own process has just imported the package
 from the environment every process of that node shares.
 """
 
@@ -25,18 +26,31 @@ PROBE_TIMEOUT_S = 300.0
 
 
 def _probe() -> dict:
-    """Runs on one node, in a Ray worker: whether ``verl_lrstab`` imports there, and its version."""
+    """Runs on one node, in a Ray worker: whether ``verl_lrstab`` imports there, its version, and whether verl
+    loads it there (its ``verl.plugins`` entry point installed, and allowed by ``VERL_USE_EXTERNAL_PLUGINS``)."""
     import importlib
+    import os
     import socket
     import sys
+    from importlib.metadata import entry_points
 
+    where = {"host": socket.gethostname(), "python": sys.executable}
     try:
         module = importlib.import_module("verl_lrstab")
-        return {"ok": True, "version": getattr(module, "__version__", "?"), "host": socket.gethostname(),
-                "python": sys.executable}
     except Exception as exc:  # noqa: BLE001 - reported by node
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "host": socket.gethostname(),
-                "python": sys.executable}
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", **where}
+    version = getattr(module, "__version__", "?")
+    names = {ep.name for ep in entry_points(group="verl.plugins") if ep.value.split(":")[0] == "verl_lrstab._entry"}
+    policy = os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
+    allowed = {name.strip() for name in policy.split(",") if name.strip()}
+    if not names:
+        error = ("verl_lrstab imports, but its verl.plugins entry point is not installed (the package is on a path, "
+                 "not installed), so verl never loads the plugin there")
+    elif policy == "none" or (policy != "auto" and not names & allowed):
+        error = f"VERL_USE_EXTERNAL_PLUGINS={policy} leaves the plugin out (its entry point is {sorted(names)[0]})"
+    else:
+        return {"ok": True, "version": version, **where}
+    return {"ok": False, "error": error, "version": version, **where}
 
 
 def _by_value(fn):
@@ -71,8 +85,8 @@ def check_every_node(timeout_s: float = PROBE_TIMEOUT_S) -> None:
         answers.append((node, answer))
     missing = [f"node {_describe(node, answer)}: {answer['error']}" for node, answer in answers if not answer["ok"]]
     if missing:
-        raise GlueError(f"verl_lrstab: {OPTIM_KEY}={SCHEDULER_NAME} needs verl-lrstab on every node of the Ray "
-                        f"cluster, and `import verl_lrstab` fails on {len(missing)} of its {len(nodes)} nodes: "
+        raise GlueError(f"verl_lrstab: {OPTIM_KEY}={SCHEDULER_NAME} needs verl-lrstab's plugin on every node of the "
+                        f"Ray cluster, and verl cannot load it on {len(missing)} of its {len(nodes)} nodes: "
                         + "; ".join(missing) + ". Install verl-lrstab into the Python environment of every node "
                         "(or into the job's image); runs with a stock scheduler are unaffected.")
     versions = {answer["version"] for _, answer in answers}
