@@ -82,9 +82,7 @@ def _build_fsdp(base: type, require) -> type:
                 if self.warmup_style is None and self.lr_scheduler_type not in SCHEDULERS:
                     raise ValueError(f"{OPTIM}.lr_scheduler_type={self.lr_scheduler_type!r} is not supported: "
                                      f"allowed values are {list(SCHEDULERS)}")
-                if self.length_surge:
-                    warnings.warn(f"{OPTIM}.length_surge is set but lr_scheduler_type={self.lr_scheduler_type!r}: "
-                                  "the length_surge options are ignored", stacklevel=2)
+                _warn_ignored(self.length_surge, "lr_scheduler_type", self.lr_scheduler_type)
                 return super().__post_init__()  # verl's own, unchanged
             require("fsdp")  # the glue usable in this process, driver-side wraps included
             for key, unset in _UNREAD_FSDP.items():
@@ -156,9 +154,7 @@ def _build_mcore(base: type, require) -> type:
                 if _misspelt(self.lr_decay_style):
                     raise ValueError(f"{OPTIM}.lr_decay_style={self.lr_decay_style!r} is not supported: allowed "
                                      f"values are {list(STYLES)}")
-                if self.length_surge:
-                    warnings.warn(f"{OPTIM}.length_surge is set but lr_decay_style={self.lr_decay_style!r}: the "
-                                  "length_surge options are ignored", stacklevel=2)
+                _warn_ignored(self.length_surge, "lr_decay_style", self.lr_decay_style)
             super().__post_init__()  # verl's own (it accepts any lr_decay_style)
 
     return _named(LengthSurgeMcoreOptimizerConfig)
@@ -175,10 +171,16 @@ def _verl_own(base: type, kwargs: dict, key: str, name, ours: tuple):
     nothing of this package runs with it or travels with it when Ray sends it to a worker (a critic's optim
     on a node without this package, too). Our fields (``ours``) are left out; ``length_surge`` options set
     there are warned about, as they are ignored."""
-    if kwargs.get("length_surge"):
-        warnings.warn(f"{OPTIM}.length_surge is set but {key}={name!r}: the length_surge options are ignored",
-                      stacklevel=3)
+    _warn_ignored(kwargs.get("length_surge"), key, name, stacklevel=4)
     return base(**{k: v for k, v in kwargs.items() if k not in ours})
+
+
+def _warn_ignored(options, key: str, name, stacklevel: int = 3) -> None:
+    """Warn that ``length_surge`` options (when set) are ignored beside the stock scheduler ``key=name``
+    (``stacklevel`` counted from here: the config's caller)."""
+    if options:
+        warnings.warn(f"{OPTIM}.length_surge is set but {key}={name!r}: the length_surge options are ignored",
+                      stacklevel=stacklevel)
 
 
 def _named(cls: type) -> type:
