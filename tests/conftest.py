@@ -1,4 +1,4 @@
-"""Fixtures shared by the guard's test files."""
+"""Fixtures shared by several test files."""
 
 import subprocess
 
@@ -24,3 +24,22 @@ def small_fs(tmp_path):
     yield mount
     for folder in reversed(mounts):
         subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+@pytest.fixture
+def length_surge_trainer(monkeypatch):
+    """A V0 trainer object of verl's class whose length_surge run checks ran (as the glue records them), alive
+    while the test holds it; no other length_surge trainer is known to the process meanwhile."""
+    import weakref
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from verl_lrstab.glue import driver
+
+    class Trainer(RayPPOTrainer):
+        def __init__(self):  # verl's own __init__ needs workers
+            pass
+
+    trainer = Trainer()
+    monkeypatch.setattr(driver, "_checked", weakref.WeakKeyDictionary({trainer: False}))
+    return trainer

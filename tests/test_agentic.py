@@ -234,14 +234,13 @@ def test_growing_tool_answers_move_verls_length_not_the_model_tokens():
 
 
 # -- rejection sampling zeroes response_mask: not taken for tool output -------------------------------------------
-def test_rejection_sampling_is_not_read_as_tool_output(monkeypatch):
+def test_rejection_sampling_is_not_read_as_tool_output(length_surge_trainer):
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.trainer.ppo import rollout_corr_helper
 
     from verl_lrstab.glue import driver
     from verl_lrstab.glue.wraps import original
 
-    monkeypatch.setattr(driver, "_length_surge_runs", 1)
     driver._pop_pre_rs_stats()
     batch = v0_dataproto(SINGLE_TURN)
     gen = torch.Generator().manual_seed(1)

@@ -1,12 +1,15 @@
 """The worker-side glue on batches in the layouts verl's V0 and V1 trainers send to update_actor."""
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
 
 from verl import DataProto
 from verl.trainer.ppo.metric_utils import _compute_response_info
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -202,6 +205,11 @@ def _rollout_corr_inputs(rollout_rs, threshold):
     return DataProto.from_dict(tensors=padded), config
 
 
+class _V0Trainer(RayPPOTrainer):
+    def __init__(self):  # a trainer object of verl's class; verl's own __init__ needs workers
+        pass
+
+
 def _wrapped_rollout_correction():
     """The glue's wrapper around verl's own function (the installed one may already be ours)."""
     from verl.trainer.ppo import rollout_corr_helper
@@ -211,9 +219,9 @@ def _wrapped_rollout_correction():
 
 
 @pytest.mark.parametrize("rollout_rs,threshold", [(None, None), ("token_k3", 1e-3), ("seq_mean_k1", "0.999_1.001")])
-def test_mismatch_is_measured_before_rejection_sampling_like_verls_rollout_corr(rollout_rs, threshold, monkeypatch):
+def test_mismatch_is_measured_before_rejection_sampling_like_verls_rollout_corr(rollout_rs, threshold,
+                                                                                length_surge_trainer):
     """verl's own rollout correction (rejection overwrites response_mask) through the glue's wrap."""
-    monkeypatch.setattr(driver, "_length_surge_runs", 1)  # a length_surge trainer was built in this process
     driver._pop_pre_rs_stats()  # nothing left from another test
     batch, config = _rollout_corr_inputs(rollout_rs, threshold)
     wrapped = _wrapped_rollout_correction()
@@ -235,7 +243,7 @@ def test_mismatch_is_measured_before_rejection_sampling_like_verls_rollout_corr(
 
 def test_rollout_correction_of_a_stock_run_stashes_nothing(monkeypatch):
     # no length_surge trainer in this process: verl's function runs alone, nothing is measured
-    monkeypatch.setattr(driver, "_length_surge_runs", 0)
+    monkeypatch.setattr(driver, "_checked", weakref.WeakKeyDictionary())
     driver._pop_pre_rs_stats()
     batch, config = _rollout_corr_inputs("token_k3", 1e-3)
     reference, _ = _rollout_corr_inputs("token_k3", 1e-3)
@@ -248,6 +256,28 @@ def test_rollout_correction_of_a_stock_run_stashes_nothing(monkeypatch):
     assert driver._pop_pre_rs_stats() is None
     assert torch.equal(batch.batch["response_mask"], reference.batch["response_mask"])
     assert verl_metrics.keys() == reference_metrics.keys()
+
+
+def test_a_stock_run_after_a_length_surge_trainer_is_gone_pays_nothing(monkeypatch):
+    # a process that built a length_surge trainer (its real run checks) and later a stock one: the pre-rejection
+    # pass runs only while a length_surge trainer is alive
+    from hydra import compose, initialize_config_module
+
+    monkeypatch.setattr(driver, "_checked", weakref.WeakKeyDictionary())
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=[
+            "actor_rollout_ref.actor.optim.lr_scheduler_type=length_surge", "trainer.use_v1=false"])
+    trainer = _V0Trainer()
+    driver.check_run(config, require=lambda engine, trainer=None: None, trainer=trainer)
+    driver._pop_pre_rs_stats()
+    batch, rs_config = _rollout_corr_inputs("token_k3", 1e-3)
+    _wrapped_rollout_correction()(batch, rs_config)
+    assert driver._pop_pre_rs_stats() is not None  # the length_surge run's figures
+    del trainer
+    gc.collect()
+    batch, rs_config = _rollout_corr_inputs("token_k3", 1e-3)
+    _wrapped_rollout_correction()(batch, rs_config)
+    assert driver._pop_pre_rs_stats() is None
 
 
 def test_v0_driver_wrap_tags_the_step_and_hands_the_pre_rejection_stats_to_the_worker_batch():

@@ -33,8 +33,8 @@ from verl_lrstab.glue.steps import PRE_RS_STATS_KEY, STEP_POSITION_KEY, VERSION_
 logger = logging.getLogger("verl_lrstab")
 
 _run = threading.local()  # per thread: verl's trainer runs in one thread of its process
-_length_surge_runs = 0  # trainers built in this process that name length_surge
-#: trainer -> whether its rollout is async, for every length_surge trainer whose run-level checks ran
+#: trainer -> whether its rollout is async, for every live length_surge trainer whose run-level checks ran
+#: (weak: once a run's trainer is gone, a stock trainer built later in the process pays nothing)
 _checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -79,7 +79,6 @@ def check_run(config, require, trainer=None) -> bool:
     ``trainer``: the trainer being built (its class decides whether the rollout is async; without
     it, the class main_ppo would build for the config). Returns whether the run is async.
     """
-    global _length_surge_runs
     actor = config.actor_rollout_ref.actor
     cls = type(trainer) if trainer is not None else trainer_class(config)
     # the trainer's own shape decides which wraps it needs (the one-step-off trainer is V0-shaped under any use_v1)
@@ -103,7 +102,6 @@ def check_run(config, require, trainer=None) -> bool:
     nodes.check_every_node()
     if trainer is not None:
         _checked[trainer] = is_async
-    _length_surge_runs += 1
     return is_async
 
 
@@ -250,8 +248,8 @@ def make_rollout_correction(original_fn):
 
 
 def _rejects_in_length_surge_run(batch, rollout_corr_config, *args, **kwargs) -> bool:
-    """Only rejection sampling changes the mask; only a length_surge run needs the figures."""
-    return _length_surge_runs > 0 and rollout_corr_config.get("rollout_rs", None) is not None
+    """Only rejection sampling changes the mask; only a live length_surge trainer reads the figures."""
+    return len(_checked) > 0 and rollout_corr_config.get("rollout_rs", None) is not None
 
 
 def rollout_correction_checks(module, fn):
