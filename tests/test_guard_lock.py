@@ -6,12 +6,15 @@ that wrote it): a second trainer would rewrite them."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import pytest
+
 from test_guard_faults import resume, written_by
 from test_guard_supervisor import Run, alive, start_guard, wait_for
-from verl_lrstab.guard.files import LOCK
+from verl_lrstab.guard.files import LOCK, RunDirBusy, lock_run_dir
 from verl_lrstab.guard.lock import LOCK_FILE
 from verl_lrstab.runs import read_metrics
 
@@ -44,8 +47,10 @@ def test_deleting_the_lock_files_does_not_let_a_second_guard_in(tmp_path):
         for second in (run.guard(), resume(run)):  # the same command again, and --resume
             assert second.returncode == 2, second.stderr
             assert f"another lrstab guard (pid {proc.pid}" in second.stderr, second.stderr
-        # the running guard took its deleted lock file anew: it names it again
+        # the running guard took its deleted lock files anew: they name it again
         assert wait_for(lambda: json.loads((run.ckpt / LOCK_FILE).read_text() or "{}").get("pid") == proc.pid)
+        assert wait_for(lambda: (run.run_dir / LOCK).exists() and (run.run_dir / LOCK).read_text().strip()
+                        == str(proc.pid))
         _checkpoints_of_launch_1(run)
     finally:
         _stopped(run, proc)
@@ -82,8 +87,6 @@ def test_the_checkpoint_folders_lock_is_the_folder_itself(tmp_path):
         try:
             second.acquire()
         except CheckpointsBusy as busy:
-            import os
-
             assert busy.holder.get("pid") == os.getpid()  # the kernel names the holder when the file is gone
         else:
             second.release()
@@ -91,3 +94,32 @@ def test_the_checkpoint_folders_lock_is_the_folder_itself(tmp_path):
     finally:
         first.release()
     CheckpointLock(tmp_path / "ck", tmp_path / "b").acquire().release()  # free once released
+
+
+def test_a_deleted_run_folder_lock_is_taken_anew_and_keeps_a_second_guard_out(tmp_path):
+    held = lock_run_dir(tmp_path)
+    assert lock_run_dir(tmp_path, held=held) == held  # still the file at the path: kept as it is
+    (tmp_path / LOCK).unlink()  # a cleanup script; the guard's next poll:
+    anew = lock_run_dir(tmp_path, held=held)
+    try:
+        assert anew != held and (tmp_path / LOCK).read_text().strip() == str(os.getpid())
+        with pytest.raises(OSError):
+            os.fstat(held)  # the stale descriptor is closed
+        with pytest.raises(RunDirBusy) as busy:
+            lock_run_dir(tmp_path)  # a second guard now
+        assert busy.value.pid == os.getpid()
+    finally:
+        os.close(anew)
+
+
+def test_a_run_folder_lock_taken_by_another_meanwhile_is_refused(tmp_path):
+    held = lock_run_dir(tmp_path)
+    (tmp_path / LOCK).unlink()
+    other = lock_run_dir(tmp_path)  # another guard got in before the poll
+    try:
+        with pytest.raises(RunDirBusy):
+            lock_run_dir(tmp_path, held=held)
+        os.fstat(held)  # still open: the guard closes it when it ends
+    finally:
+        os.close(other)
+        os.close(held)

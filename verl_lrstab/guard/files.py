@@ -15,8 +15,11 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import psutil
+
+from verl_lrstab.guard.lock import same_file
 
 
 class GuardIOError(Exception):
@@ -133,12 +136,42 @@ class RunDirBusy(Exception):
         super().__init__(str(path))
 
 
-def lock_run_dir(run_dir: Path) -> int:
+def lock_run_dir(run_dir: Path, held: Optional[int] = None) -> int:
     """Take ``<run_dir>/guard.lock`` (an exclusive ``flock``) and write this process's pid in it;
     return the open descriptor (the lock lasts while it, or a process it is passed to, is open).
     The kernel drops the lock when its holders die, so a killed guard leaves no stale lock; the
-    watchdog that stops verl inherits it, so the folder stays locked until verl is gone."""
+    watchdog that stops verl inherits it, so the folder stays locked until verl is gone.
+
+    Args:
+        run_dir: the guard's run folder.
+        held: the descriptor an earlier call returned (default None). It is returned as it is while
+            it is still the file at the path; a lock file deleted or replaced since is taken anew (a
+            lock on a deleted file keeps nobody out), and ``held`` is closed.
+    """
     path = run_dir / LOCK
+    if held is not None and same_file(held, path):
+        return held
+    for _ in range(20):  # a file deleted between open and flock is not the one at the path
+        fd = _flocked(path)
+        if same_file(fd, path):
+            break
+        os.close(fd)
+    else:
+        raise GuardIOError("lock", path, OSError(errno.EAGAIN, "the lock file keeps being replaced"))
+    try:
+        with io_step("write the lock file", path):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    if held is not None:
+        os.close(held)
+    return fd
+
+
+def _flocked(path: Path) -> int:
+    """An ``flock``-ed descriptor of ``path`` (made when missing), or :class:`RunDirBusy` naming the holder's pid."""
     with io_step("open the lock file", path):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -150,10 +183,6 @@ def lock_run_dir(run_dir: Path) -> int:
             pid = None
         os.close(fd)
         raise RunDirBusy(path, pid) from None
-    try:
-        with io_step("write the lock file", path):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     except BaseException:
         os.close(fd)
         raise

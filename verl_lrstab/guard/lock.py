@@ -38,7 +38,8 @@ class CheckpointsBusy(Exception):
         super().__init__(str(checkpoint_dir))
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def same_file(fd: int, path: Path) -> bool:
+    """Whether the open descriptor ``fd`` is the file at ``path`` now (not a deleted or replaced one)."""
     try:
         a, b = os.fstat(fd), os.stat(path)
     except OSError:
@@ -118,7 +119,7 @@ class CheckpointLock:
         """Lock the lock file that is at :attr:`path` now (a file deleted between open and flock is not it)."""
         for _ in range(20):
             fd = self._locked_file()
-            if _same_file(fd, self.path):
+            if same_file(fd, self.path):
                 break
             os.close(fd)
         else:
@@ -134,7 +135,7 @@ class CheckpointLock:
         /proc/locks still names the holder."""
         try:
             with open(self.path, "r+") as f:
-                if _same_file(f.fileno(), self.path) and _same_file(fd, self.path):
+                if same_file(f.fileno(), self.path) and same_file(fd, self.path):
                     f.truncate(0)
                     f.write(json.dumps(holder) + "\n")
         except OSError:
@@ -169,7 +170,7 @@ class CheckpointLock:
     def check(self) -> None:
         """While verl runs: the lock file at :attr:`path` must still be the one held. A deleted or
         replaced one is taken anew (:class:`CheckpointsBusy` if another guard took it meanwhile)."""
-        if self._file_fd is not None and not _same_file(self._file_fd, self.path):
+        if self._file_fd is not None and not same_file(self._file_fd, self.path):
             self._take_file()
 
     def fds(self) -> tuple:

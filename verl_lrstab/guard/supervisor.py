@@ -774,7 +774,7 @@ class Guard:
                         finished = True
                     except subprocess.TimeoutExpired:
                         finished = False
-                    self._hold_checkpoints()
+                    self._hold_locks()
                     records = self._trajectory()
                     trouble = None
                     if (len(records), max(records, default=0)) != seen:  # judge each new step once
@@ -797,8 +797,13 @@ class Guard:
                 finally:
                     metrics.close()
 
-    def _hold_checkpoints(self) -> None:
-        """The checkpoint folder's lock file is still the one held (a deleted one is taken anew)."""
+    def _hold_locks(self) -> None:
+        """The run folder's and the checkpoint folder's lock files are still the ones held (a deleted one is
+        taken anew)."""
+        try:
+            self._lock = lock_run_dir(self.run_dir, held=self._lock)
+        except RunDirBusy as busy:
+            raise GuardError(busy_message(self.run_dir, busy.pid) + "; this guard stopped its verl") from None
         try:
             self._checkpoints.check()
         except CheckpointsBusy as busy:
