@@ -135,26 +135,54 @@ def test_a_batch_without_versions_is_all_unknown_and_feeds_nothing():
 
 
 def test_the_version_tag_reads_back():
+    from verl_lrstab.glue import versions
+
+    assert versions.flat({4: 0, 3: 1}) == [3, 1, 4, 0]
+    assert version_lags(versions.flat({4: 0, 3: 1})) == {3: 1, 4: 0}
     assert version_lags(None) is None
     assert version_lags([5, 1, 6, 0]) == {5: 1, 6: 0}
     with pytest.raises(ValueError):
         version_lags([5, 1, 6])
 
 
-def test_v1_async_versions_lag_behind_global_steps_minus_one_and_one_more_on_a_steps_later_updates():
+def _v1_trainer_at_step(cls, global_steps):
+    trainer = object.__new__(cls)  # verl's class; its __init__ needs workers
+    trainer.global_steps = global_steps
+    return trainer
+
+
+def test_v1_async_versions_lag_behind_global_steps_minus_one_as_the_old_log_prob_pass_scores():
     """V1 syncs under global_steps after the step's updates: at step G the trainer's weights are version G - 1
-    (verl's trajectory_staleness); a separate_async step's later updates run on weights the step changed."""
+    (verl's trajectory_staleness). separate_async scores every update's old log-probs with the step's first
+    weights; colocate_async scores a step's later updates with the weights the step changed."""
     from types import SimpleNamespace
+
+    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
     from verl_lrstab.glue import versions
 
-    trainer = SimpleNamespace(global_steps=5)
     batch = SimpleNamespace(tags=[{"min_global_steps": 4, "max_global_steps": 4},
                                   {"min_global_steps": 3, "max_global_steps": 4}, {"is_padding": True}])
-    assert versions.v1_lags(trainer, batch, index=0) == {4: 0, 3: 1}
-    assert versions.v1_lags(trainer, batch, index=1) == {4: 1, 3: 2}
-    assert versions.flat({4: 0, 3: 1}) == [3, 1, 4, 0]
-    assert version_lags(versions.flat({4: 0, 3: 1})) == {3: 1, 4: 0}
+    separate, colocate = (_v1_trainer_at_step(cls, 5) for cls in (PPOTrainerSeparateAsync, PPOTrainerColocateAsync))
+    for trainer in (separate, colocate):
+        assert versions.v1_lags(trainer, batch, index=0) == {4: 0, 3: 1}
+    assert versions.v1_lags(separate, batch, index=1) == versions.v1_lags(separate, batch, index=3) == {4: 0, 3: 1}
+    assert versions.v1_lags(colocate, batch, index=1) == {4: 1, 3: 2}
+
+
+def test_the_premise_of_the_v1_rule_holds_in_verls_trainers():
+    """What the rule rests on, read from the installed verl: separate_async restores the step's first weights
+    (saved at update 0) before its old-log-prob pass on later updates; colocate_async runs the base pass as is."""
+    import inspect
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+    source = inspect.getsource(PPOTrainerSeparateAsync._compute_old_log_prob)
+    assert "save_model_to_cpu(0)" in source and "restore_model_from_cpu(0)" in source
+    assert PPOTrainerColocateAsync._compute_old_log_prob is PPOTrainer._compute_old_log_prob
 
 
 # -- what is not split: rejection sampling and bypass mode --------------------------------------------------

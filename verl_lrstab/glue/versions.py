@@ -10,8 +10,11 @@ of the actor between the sync and the update: 0 is the trainer's own weights.
 - V1 ``colocate_async`` / ``separate_async``: the weights are synced under ``global_steps`` after
   the step's updates (``on_step_end``; at start under the loaded step), so at step G the trainer's
   weights are version G - 1 (verl's own ``training/off_policy/trajectory_staleness`` is
-  ``(G - 1) - max_global_steps``). A ``separate_async`` step's later updates run on weights the step
-  already changed: every version is one more behind.
+  ``(G - 1) - max_global_steps``). The lag is that of the weights the old-log-prob pass scores with:
+  ``separate_async`` restores the step's first weights for it on every update of the step (one
+  pi_old a step: verl's ``_compute_old_log_prob``); a trainer that does not (``colocate_async`` with
+  ``parameter_sync_step`` > 1) scores a step's later updates with weights the step already changed:
+  every version is one more behind there.
 - ``OneStepOffRayTrainer`` (V0-shaped): step G syncs under G before its update, so version t >= the
   first step holds the weights after t - 1 updates, and the sync at ``fit``'s start, under the
   step before the first (the loaded step), the weights after that many: at step G the trainer's
@@ -31,6 +34,8 @@ import logging
 import weakref
 from typing import Iterable, Optional
 
+from verl_lrstab.glue import trainers
+
 logger = logging.getLogger("verl_lrstab")
 
 
@@ -49,11 +54,16 @@ def v1_tags_versions(batch) -> set:
     return versions_in((t.get("min_global_steps"), t.get("max_global_steps")) for t in batch.tags)
 
 
+#: V1 trainers whose old-log-prob pass restores the step's first weights on the step's later updates
+V1_SCORE_WITH_FIRST_WEIGHTS = {("verl.trainer.ppo.v1.trainer_separate_async", "PPOTrainerSeparateAsync")}
+
+
 def v1_lags(trainer, batch, index: int) -> dict:
-    """V1 async modes: version ``v`` is ``(global_steps - 1) - v`` behind, one more on a step's later updates."""
+    """V1 async modes: version ``v`` is ``(global_steps - 1) - v`` behind; one more on a step's later updates
+    (``index`` > 0) of a trainer that scores them with the weights the step changed (by class)."""
     current = int(trainer.global_steps) - 1
-    extra = 1 if index > 0 else 0
-    return {v: current - v + extra for v in v1_tags_versions(batch)}
+    moved = index > 0 and trainers.verl_class(type(trainer)) not in V1_SCORE_WITH_FIRST_WEIGHTS
+    return {v: current - v + int(moved) for v in v1_tags_versions(batch)}
 
 
 def v0_batch_versions(batch) -> set:
