@@ -185,6 +185,21 @@ def test_each_co_signal_is_optional():
         assert run(tr, drop=tuple(NAMES.values())) == plain, tr.name
 
 
+@pytest.mark.parametrize("span", [30, 60, 100, 200])
+def test_a_co_signal_that_turns_negative_is_no_crash_whatever_the_span(span):
+    # verl's kl_loss with the k1 loss type can be < 0: a witness read on its logs has no value there. With a
+    # baseline span longer than the noise window, the reference held positive values the noise window did not
+    det = CusumDetector(LengthSurgeConfig(cusum_span=span))
+    fired = []
+    for s in range(1, 400):
+        length = 100.0 if s < 300 else 100.0 * (1 + 0.2 * (s - 299))  # a runaway from step 300
+        if det.update(s, length):
+            fired.append(s)
+        level = 0.01 * (1 + 0.1 * (s % 3))
+        det.add_cosignals(s, kl_loss=(level if s < 200 else -level) if s < 300 else 0.05)
+    assert fired and 300 < fired[0] <= 320, fired  # the runaway, within its first steps
+
+
 def _flat_run(n=120, at=80, spike=None, entropy_up=False, seed=0):
     """A flat length with one 1.5x step up at ``at``, a flat score; co-signals flat but for the asked ones."""
     rng = np.random.default_rng(seed)

@@ -466,10 +466,10 @@ class CusumDetector:
     def _risen(self, now: list, rows: list, least: float, hi: int, log: bool = False) -> bool:
         """The median of ``now`` is at least ``least`` and ``cusum_score_z`` noise units above the median of ``rows``
         over the ``cusum_span`` steps that end at ``hi`` (``log``: of their logs); the noise over the OLD_STEPS
-        steps that end there (more rows than the span's: a steadier scale)."""
+        steps that end there, or the span's when longer (more rows than the span's: a steadier scale)."""
         rows = [r for r in rows if r[0] > self.skip_first_steps]  # the first steps' format learning moves every figure
         ref = _window(rows, hi - self.cusum_span, hi)
-        noise = _window(rows, hi - OLD_STEPS, hi, NOISE_ROWS)
+        noise = _window(rows, hi - max(OLD_STEPS, self.cusum_span), hi, NOISE_ROWS)
         if log:
             ref, noise = _logs(ref), _logs(noise)
         if not now or len(ref) <= 1:
