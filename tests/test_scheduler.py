@@ -1,5 +1,6 @@
 """LengthSurgeLR: the torch scheduler protocol (step, get_last_lr, state_dict)."""
 
+import contextlib
 import io
 import logging
 import math
@@ -72,6 +73,49 @@ def test_updates_per_step_handed_with_the_figures_turn_an_update_warmup_into_tra
     # figures without the count leave it as it is
     sched.observe_update(UpdateFigures(response_length=100.0))
     assert sched.updates_per_step == 2
+
+
+def _lrs_per_trainer_step(count, warmup, resume_at=None, resume_config=None, steps=90):
+    """The LR each trainer step's updates run at, ``count`` updates a step as the glue drives them (the LR held
+    within a step, the figures handed on its last update); resumed from a checkpoint after ``resume_at``."""
+    values = [1000.0] * 60 + [3000.0] * (steps - 60)
+    opt, sched = make(lr=1.0, warmup_steps=warmup)
+    out = []
+    for t in range(1, steps + 1):
+        seen = set()
+        for i in range(count):
+            seen.add(opt.param_groups[0]["lr"])
+            with (sched.holding() if i < count - 1 else contextlib.nullcontext()):
+                if i == count - 1:
+                    sched.observe_update(UpdateFigures(response_length=values[t - 1], updates_per_step=count))
+                opt.step()
+                sched.step()
+        assert len(seen) == 1, (t, seen)  # one LR a trainer step
+        out.append(seen.pop())
+        if t == resume_at:
+            saved_opt, saved = opt.state_dict(), sched.state_dict()
+            opt, sched = make(lr=1.0, warmup_steps=warmup, config=resume_config)
+            opt.load_state_dict(saved_opt)
+            sched.load_state_dict(saved)
+    return out
+
+
+@pytest.mark.parametrize("resume_config", [None, "dismiss", {"decay_from_step": 80, "decay_period": 20}])
+def test_a_resumed_run_with_several_updates_a_step_keeps_its_warmup_in_trainer_steps(resume_config):
+    # verl resolves the warmup in actor updates (400 = 100 trainer steps x 4 updates): resumed at step 80, in the
+    # warmup, whatever LR rule the resume brings, every step runs as a run of one update a step with a warmup of
+    # 100 steps does
+    if resume_config == "dismiss":
+        surge = LengthSurgeLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), warmup_steps=100)
+        for v in [1000.0] * 60 + [3000.0] * 20:
+            surge.step(v)
+        assert surge.surge_step is not None
+        resume_config = {"dismiss_trigger_step": surge.surge_step}
+    four = _lrs_per_trainer_step(4, 400, resume_at=80, resume_config=resume_config)
+    one = _lrs_per_trainer_step(1, 100, resume_at=80, resume_config=resume_config)
+    assert four == pytest.approx(one)
+    if resume_config and "dismiss_trigger_step" in resume_config:
+        assert four[80] == pytest.approx(80 / 100)  # step 81: the initial LR's warmup, the decay dismissed
 
 
 def test_a_handed_length_is_consumed_by_a_bare_step():

@@ -116,6 +116,8 @@ def _set(state, path, value):
     (("base_lrs",), [], r"base_lrs=\[\]"),
     (("last_epoch",), -5, r"last_epoch=-5"),
     (("last_epoch",), KeyError, r"last_epoch=<missing>"),
+    (("updates_per_step",), 0, r"updates_per_step=0, expected an integer >= 1"),
+    (("updates_per_step",), True, r"updates_per_step=True"),
     (("_last_lr", 0), math.inf, r"_last_lr\[0\]=inf"),
     (("schedule", "detector"), KeyError, r"detector=<missing>"),
     (("schedule", "detector", "history"), KeyError, r"detector\.history=<missing>"),

@@ -77,13 +77,21 @@ class FedSchedule:
 
         verl resolves the warmup in actor updates (V1 multiplies its total by the updates per
         step); the scheduler steps once per trainer step, so its warmup becomes
-        ``ceil(warmup / count)`` trainer steps.
+        ``ceil(warmup / count)`` trainer steps. The LR of the next update follows at once (a resumed
+        run's first step, whose LR was put in before the count was known).
         """
-        if count > 1 and count != self._updates_per_step:
-            if self._warmup_in_updates is None:
-                self._warmup_in_updates = self.schedule.warmup_steps
-            self._updates_per_step = count
-            self.schedule.warmup_steps = -(-self._warmup_in_updates // count)
+        if self._count_updates_per_step(count):
+            self._apply_lr()
+
+    def _count_updates_per_step(self, count: int) -> bool:
+        """Take ``count`` updates per trainer step (the warmup converted, the LR left as it is); whether it changed."""
+        if count <= 1 or count == self._updates_per_step:
+            return False
+        if self._warmup_in_updates is None:
+            self._warmup_in_updates = self.schedule.warmup_steps
+        self._updates_per_step = count
+        self.schedule.warmup_steps = -(-self._warmup_in_updates // count)
+        return True
 
     @property
     def updates_per_step(self) -> int:

@@ -102,6 +102,7 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
             "_step_count": self._step_count,
             "_last_lr": [float(lr) for lr in self._last_lr],
             "warmup_steps": self.schedule.warmup_steps,
+            "updates_per_step": self.updates_per_step,
             "schedule": self.schedule.state_dict(),
             "options": self.config.to_dict(),
         }
@@ -132,6 +133,8 @@ class LengthSurgeLR(FedSchedule, LRScheduler):
             for group, lr in zip(self.optimizer.param_groups, self._last_lr):
                 group["lr"] = lr
             return
+        # the warmup in trainer steps before any LR is put in below (a dismissed decay, the guard's rule)
+        self._count_updates_per_step(int(state_dict.get("updates_per_step", 1)))
         self.base_lrs = self._checkpoint_base_lrs(state_dict["base_lrs"])
         self.last_epoch = int(state_dict["last_epoch"])
         self._step_count = int(state_dict["_step_count"])

@@ -66,6 +66,10 @@ def check_lr_scheduler_state(state: Any, step_key: str = "last_epoch", param_gro
         if param_groups is not None and len(lrs) != param_groups:
             c.fail(key, lrs, f"{param_groups} learning rate(s), one per param group of the optimizer it is loaded "
                              "into (the checkpoint's optimizer had another number of param groups)")
+    if "updates_per_step" in state:
+        count = state["updates_per_step"]
+        if not is_integer(count) or count < 1:
+            c.fail("updates_per_step", count, "an integer >= 1")
     if "schedule" in state:
         _check_options(c, state, "options")
         check_schedule_state(state["schedule"], step)

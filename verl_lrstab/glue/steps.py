@@ -291,6 +291,7 @@ def begin_update(scheduler: FedSchedule, position: StepPosition) -> StepState:
     loop over), and the LR would stay constant with nothing logged.
     """
     state = state_of(scheduler)
+    scheduler.set_updates_per_step(position.count)  # before the first update of a resumed run uses the LR
     if position.index == 0:
         state.reset_batch()
     if position.last:
