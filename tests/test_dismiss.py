@@ -107,3 +107,33 @@ def test_megatron_scheduler_resumes_at_its_max_lr_with_the_decay_dismissed():
     resumed.load_state_dict(sched.state_dict())
     assert opt2.param_groups[0]["lr"] == LR and resumed.metrics()["lrstab/trigger_step"] == -1
     assert resumed.num_steps == len(LENGTHS)
+
+
+@pytest.mark.parametrize("other", [{"decay_period": 40}, {"monitor_only": True}])
+def test_it_is_refused_in_training_where_no_detection_starts_a_decay(other):
+    # a fixed period decays from step 0 whatever the detector says; a monitor never decays: nothing to dismiss
+    config = LengthSurgeConfig.from_dict({"dismiss_trigger_step": 5, **other})
+    with pytest.raises(ValueError, match=r"length_surge\.dismiss_trigger_step=5 is invalid in training.*none to "
+                                         r"dismiss"):
+        config.check_training()  # what a verl run's optimizer config runs
+
+
+def test_a_surge_a_monitor_saw_is_named_on_resume_with_the_rule_that_decays_from_it(caplog):
+    monitor = torch_scheduler({**FAST, "monitor_only": True})
+    for length in LENGTHS:
+        monitor.step(length)
+    assert monitor.metrics()["lrstab/surge_step"] == FIRST_JUMP and monitor.get_last_lr() == [LR]
+    state = monitor.state_dict()
+    plain = torch_scheduler(FAST)
+    with caplog.at_level(logging.WARNING, logger="verl_lrstab"):
+        plain.load_state_dict(state)
+    period = round(FAST["period_factor"] * FIRST_JUMP)
+    assert f"saw a surge at update {FIRST_JUMP}" in caplog.text
+    assert f"length_surge.decay_from_step={len(LENGTHS)} and " in caplog.text
+    assert f"length_surge.decay_period={period} " in caplog.text
+    plain.step(300.0)
+    assert plain.get_last_lr() == [LR]  # as the warning says: not acted on
+    # the rule it names decays from the next update on
+    advised = torch_scheduler({**FAST, "decay_from_step": len(LENGTHS), "decay_period": period})
+    advised.load_state_dict(state)
+    assert advised.get_last_lr() == [LR / 2]

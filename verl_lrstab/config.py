@@ -316,7 +316,11 @@ class LengthSurgeConfig:
         "the WARNING names): a run resumed from a checkpoint whose decay started there resumes at the initial LR "
         "with the detector re-armed from the checkpoint's step; a checkpoint without that decay, and a later "
         "decay, are not affected, so it may stay set; not with `decay_from_step`",
-        integer(1, MAX_DECAY_PERIOD, nullable=True), replayed=False, see="integration.md")
+        integer(1, MAX_DECAY_PERIOD, nullable=True), replayed=False, see="integration.md",
+        training=Unread("no detection starts a decay here (a fixed decay_period halves the LR from step 0 whatever the "
+                        "detector says; monitor_only: true never decays), so there is none to dismiss",
+                        lambda c: _fixed_period(c) or c.monitor_only,
+                        "beside a fixed `decay_period` or with `monitor_only: true`"))
 
     def __post_init__(self):
         specs = options()

@@ -23,6 +23,7 @@ import logging
 from typing import Optional
 
 from verl_lrstab.config import OPTIONS_KEY, LengthSurgeConfig
+from verl_lrstab.decay import decay_period_from_surge
 from verl_lrstab.detectors import LengthSurgeSchedule, UpdateFigures
 
 logger = logging.getLogger("verl_lrstab")
@@ -134,12 +135,25 @@ class FedSchedule:
                            "(key: (checkpoint, now)) %s; the configured ones apply from now on, so the decay "
                            "period and the LR may change at once", step, changed)
         self.schedule.load_state_dict(own["schedule"])
+        self._warn_of_a_monitored_surge(saved, step)
         dismissed = self.config.dismiss_trigger_step
         if dismissed is not None and self.schedule.trigger_step == dismissed:
             logger.warning("verl_lrstab: the decay that started at update %s is dismissed (%s.dismiss_trigger_step): "
                            "resuming from update %s at the initial LR, the surge detector re-armed from there",
                            dismissed, OPTIONS_KEY, step)
             self.rearm()
+
+    def _warn_of_a_monitored_surge(self, saved: dict, step) -> None:
+        """A surge a monitor run saw is not acted on once the decay is turned on: the detector reports one a run."""
+        surge = self.schedule.surge_step
+        if not saved["monitor_only"] or self.config.monitor_only or surge is None or self.schedule.trigger_step:
+            return
+        period = decay_period_from_surge(surge, self.config.period_factor)
+        logger.warning("verl_lrstab: the checkpoint at update %s was written with monitor_only: true and its detector "
+                       "saw a surge at update %s; turning monitor_only off does not act on it (the detector reports "
+                       "one surge a run) and the LR stays verl's constant schedule. To decay from that surge, resume "
+                       "with %s.decay_from_step=%s and %s.decay_period=%s (what lrstab guard's rollback sets)",
+                       step, surge, OPTIONS_KEY, step, OPTIONS_KEY, period)
 
     def rearm(self) -> None:
         """Clear a fired decay: the LR returns to the initial LR (warmup as configured) from the next
