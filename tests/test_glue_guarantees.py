@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -91,9 +92,12 @@ def rollout_batch():
     (1, None, False),  # no rejection: the mask the worker gets is the whole one, nothing to carry
     (1, "token_k3", True),
 ])
-def test_rollout_correction_measures_only_for_a_length_surge_run_with_rejection(monkeypatch, length_surge_runs,
+def test_rollout_correction_measures_only_for_a_length_surge_run_with_rejection(request, monkeypatch, length_surge_runs,
                                                                                  rollout_rs, stashed):
-    monkeypatch.setattr(driver, "_length_surge_runs", length_surge_runs)
+    if length_surge_runs:
+        request.getfixturevalue("length_surge_trainer")  # a live length_surge trainer in this process
+    else:
+        monkeypatch.setattr(driver, "_checked", weakref.WeakKeyDictionary())
     monkeypatch.setattr(driver._run, "pre_rs", None, raising=False)
     wrapped = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
     assert getattr(wrapped, "_lrstab_original", None) is not None
@@ -231,6 +235,25 @@ def test_bypass_mode_feeds_the_first_mini_batchs_mismatch_at_its_optimizer_step(
         assert fed == [pytest.approx(expected["mismatch/k3"])]
     else:  # no step seen: reduced after the update, logged but too late for this step's LR
         assert math.isnan(fed[0])
+
+
+def test_bypass_mode_says_so_when_the_first_mini_batchs_log_probs_cannot_be_read(monkeypatch, caplog):
+    from verl_lrstab import mismatch
+
+    monkeypatch.setattr(mismatch, "_warned", set())
+    w = Worker()
+    w.engine.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    w.loss_fn = lambda **kwargs: (torch.tensor(0.0), {})
+
+    def verls_update(self, data):  # a verl whose update no longer goes through worker.loss_fn: nothing captured
+        self.engine.lr_scheduler.step()
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"lr": [1e-3]}})
+
+    caplog.set_level(logging.WARNING, logger="verl_lrstab")
+    metrics = tu.get(worker._train_mini_batch(verls_update, w, v0_batch(lengths=(3, 5, 4, 6), bypass=True)),
+                     "metrics")
+    assert not [k for k in metrics if k.startswith("mismatch/")]
+    assert mismatch.WARNINGS["bypass_failed"] in caplog.text
 
 
 def test_the_lr_is_held_within_a_trainer_step_on_our_scheduler_not_on_verls_engine():

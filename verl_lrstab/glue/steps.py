@@ -337,7 +337,7 @@ def run_update(worker, data, scheduler: FedSchedule, batch: batch_figures.BatchS
         if handed is not None:
             scheduler.observe_update(handed)
         output = run()
-    if batch.bypass and position.last and not state.logged:
+    if batch.bypass and position.last and mismatch.BYPASS_KEY not in state.logged:
         mismatch.warn_once("bypass_failed")
     return output, state
 
