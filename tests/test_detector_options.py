@@ -252,3 +252,12 @@ def test_the_new_options_are_validated_by_name(key):
     with pytest.raises(ValueError, match=key):
         LengthSurgeConfig(**{key: float("nan")})
     assert CusumDetector(LengthSurgeConfig(**{key: 1.3})).cusum_spike_rise == 1.3
+
+
+def test_a_mismatch_metric_nothing_reads_is_refused():
+    # the ratio detector reads the length alone; with trigger: length no mismatch figure is read at all
+    with pytest.raises(ValueError, match=r"mismatch_metric='max_abs_diff' is invalid.*trigger: mismatch or either "
+                                         r"or detector: cusum"):
+        LengthSurgeConfig.from_dict({"detector": "ratio", "mismatch_metric": "max_abs_diff"})
+    for reads in ({"detector": "cusum"}, {"detector": "ratio", "trigger": "either"}):
+        LengthSurgeConfig.from_dict({**reads, "mismatch_metric": "max_abs_diff"})

@@ -108,8 +108,11 @@ def test_the_declared_choices_are_the_ones_enforced(key):
 @pytest.mark.parametrize("key", sorted(k for k in FIELDS if DECLARED[k].read_with))
 def test_an_option_is_refused_away_from_its_default_where_nothing_reads_it(key):
     o = DECLARED[key]
-    value = {"number": 0.75 if math.isfinite(o.allowed.high) else o.allowed.low + 2.0,
-             "integer": o.allowed.low + 2}[o.allowed.kind]
+    if o.allowed.kind == "choice":
+        value = next(c for c in o.allowed.choices if c != o.default)
+    else:
+        value = {"number": 0.75 if math.isfinite(o.allowed.high) else o.allowed.low + 2.0,
+                 "integer": o.allowed.low + 2}[o.allowed.kind]
     value = value if value != o.default else value + 1
     assert o.allowed.admits(value) and value != o.default
     read = {k: values[0] for k, values in o.read_with[:1]}

@@ -301,7 +301,8 @@ class LengthSurgeConfig:
     mismatch_calibration_steps: int = option(
         10, "valid steps after `skip_first_steps` that calibrate the budget", integer(1), read_with=_MISMATCH)
     mismatch_metric: str = option(
-        "k3", "the mismatch figure the trigger watches", one_of(*MISMATCH_METRICS), see="mismatch.md")
+        "k3", "the mismatch figure the trigger watches (and `detector: cusum` reads as a witness)",
+        one_of(*MISMATCH_METRICS), read_with=_MISMATCH + _CUSUM, see="mismatch.md")
     monitor_only: bool = option(
         False, "run the detector(s) and log every `lrstab/*` and `mismatch/*` figure, but never decay: the LR is "
         "verl's constant schedule, warmup included (the constant-LR arm of a comparison)", FLAG)
