@@ -19,7 +19,7 @@ from typing import Optional
 
 import psutil
 
-from verl_lrstab.guard.lock import same_file
+from verl_lrstab.guard.lock import same_file, take_file_at
 
 
 class GuardIOError(Exception):
@@ -151,13 +151,8 @@ def lock_run_dir(run_dir: Path, held: Optional[int] = None) -> int:
     path = run_dir / LOCK
     if held is not None and same_file(held, path):
         return held
-    for _ in range(20):  # a file deleted between open and flock is not the one at the path
-        fd = _flocked(path)
-        if same_file(fd, path):
-            break
-        os.close(fd)
-    else:
-        raise GuardIOError("lock", path, OSError(errno.EAGAIN, "the lock file keeps being replaced"))
+    with io_step("lock", path):
+        fd = take_file_at(path, lambda: _flocked(path))
     try:
         with io_step("write the lock file", path):
             os.ftruncate(fd, 0)

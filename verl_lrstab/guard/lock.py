@@ -24,7 +24,7 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 LOCK_FILE = ".lrstab_guard.lock"
 _NO_DIR_LOCK = (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EACCES)
@@ -45,6 +45,17 @@ def same_file(fd: int, path: Path) -> bool:
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def take_file_at(path: Path, locked: Callable[[], int]) -> int:
+    """A descriptor from ``locked()`` (an ``flock``-ed open of ``path``) that is the file at ``path`` now: a file
+    deleted or replaced between open and flock is not it (``OSError`` EAGAIN when that keeps happening)."""
+    for _ in range(20):
+        fd = locked()
+        if same_file(fd, path):
+            return fd
+        os.close(fd)
+    raise OSError(errno.EAGAIN, "the lock file keeps being replaced", str(path))
 
 
 def read_holder(path: Path) -> dict:
@@ -117,13 +128,7 @@ class CheckpointLock:
 
     def _take_file(self) -> None:
         """Lock the lock file that is at :attr:`path` now (a file deleted between open and flock is not it)."""
-        for _ in range(20):
-            fd = self._locked_file()
-            if same_file(fd, self.path):
-                break
-            os.close(fd)
-        else:
-            raise OSError(errno.EAGAIN, "the lock file keeps being replaced", str(self.path))
+        fd = take_file_at(self.path, self._locked_file)
         self._write({"pid": os.getpid(), "run_dir": str(self.run_dir), "host": socket.gethostname()}, fd)
         old, self._file_fd = self._file_fd, fd
         if old is not None:
